@@ -1,0 +1,386 @@
+"""One typed configuration tree for every component.
+
+Loaded from YAML (``configs/*.yaml``) with dotted command-line overrides::
+
+    async-agent-rl train --config configs/quickstart.yaml algorithm.clip_ratio_high=0.28 rollout.num_actors=2
+
+Unknown keys and bad values fail with ``ConfigError``, naming the full dotted path and the allowed keys or values.
+Relative paths in a config are resolved against the current working directory at run time (the repo root for the
+README's commands, the job's working dir under ``ray job submit``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid. The message names every offending path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------------------------------------- model
+class TinyModelConfig(_Section):
+    """Shape of the tiny Qwen2 model that ``model init`` builds (random init)."""
+
+    vocab_size: int = Field(4096, ge=300, description="BPE vocabulary size, trained on the corpus")
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(512, ge=8)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    max_position_embeddings: int = Field(2048, ge=64)
+    tags_as_tokens: bool = Field(True, description="add <search>, </search>, ... as single (non-special) tokens")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class ModelConfig(_Section):
+    path: str = Field("runs/quickstart/model", description="HF model folder (built by `model init` if missing)")
+    init: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_model_len: int = Field(2048, ge=64, description="context length for the engine and the learner")
+    trust_remote_code: bool = False
+
+
+# ------------------------------------------------------------------------------------------------------------ data
+class WorldConfig(_Section):
+    """The embedded fictional search world (``data make-world``)."""
+
+    seed: int = 0
+    num_countries: int = Field(12, ge=2)
+    num_cities: int = Field(60, ge=4)
+    num_people: int = Field(400, ge=4)
+    num_companies: int = Field(60, ge=2)
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of subject entities held out for test")
+    two_hop_fraction: float = Field(0.3, ge=0.0, le=1.0, description="share of bridge (two-hop) questions")
+    distractors_per_entity: int = Field(0, ge=0, description="extra near-duplicate passages per entity")
+
+
+class DataConfig(_Section):
+    world_dir: str = Field("runs/quickstart/world", description="where `data make-world` writes (default task)")
+    world: WorldConfig = WorldConfig()
+    train_files: list[str] = Field(default_factory=lambda: ["runs/quickstart/world/train.parquet"])
+    test_files: list[str] = Field(default_factory=lambda: ["runs/quickstart/world/test.parquet"])
+    corpus_file: str = "runs/quickstart/world/corpus.jsonl"
+    prompt_template: Literal["search_r1", "base"] = Field(
+        "search_r1", description="search_r1: Search-R1's instruction template; base: a plain completion prompt"
+    )
+    prompt_from: Literal["template", "dataset"] = Field(
+        "template", description="template: re-render the question; dataset: use the parquet's prompt as is"
+    )
+    apply_chat_template: bool = Field(True, description="instruct-style chat template (False: base-style plain text)")
+    on_bad_row: Literal["error", "skip"] = "error"
+    max_prompt_length: int = Field(512, ge=16)
+    shuffle: bool = True
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------------------------------- retriever
+class RetrieverLimits(_Section):
+    max_queries_per_request: int = Field(512, ge=1)
+    max_query_chars: int = Field(2048, ge=1)
+    max_topk: int = Field(100, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+
+
+class SearchClientConfig(_Section):
+    timeout_s: float = Field(5.0, gt=0)
+    retries: int = Field(3, ge=0)
+    backoff_base_s: float = Field(0.05, ge=0)
+    backoff_max_s: float = Field(1.0, ge=0)
+    deadline_s: float = Field(15.0, gt=0, description="total time one search may take, retries included")
+    pool_size: int = Field(256, ge=1)
+
+
+class RetrieverConfig(_Section):
+    url: Optional[str] = Field(None, description="use an existing Search-R1-compatible server instead of starting one")
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+    backend: Literal["bm25", "dense"] = "bm25"
+    index_dir: Optional[str] = None
+    dense_model: Optional[str] = Field(None, description="sentence-transformers model folder for the dense backend")
+    topk: int = Field(3, ge=1)
+    batch_window_ms: float = Field(2.0, ge=0, description="coalesce concurrent requests for this long (0 = off)")
+    max_batch_queries: int = Field(256, ge=1)
+    limits: RetrieverLimits = RetrieverLimits()
+    client: SearchClientConfig = SearchClientConfig()
+
+
+# --------------------------------------------------------------------------------------------------------- rollout
+class RolloutConfig(_Section):
+    engine: Literal["vllm", "hf"] = Field("vllm", description="hf = transformers generate, a correctness reference")
+    num_actors: int = Field(1, ge=1)
+    max_concurrent_episodes: int = Field(32, ge=1, description="episodes in flight per actor")
+    group_size: int = Field(5, ge=1, description="GRPO n: independent episodes per prompt sharing a group id")
+    max_turns: int = Field(4, ge=1)
+    max_tokens_per_turn: int = Field(128, ge=1, description="per-turn cap (DeepEyes): one turn cannot starve the rest")
+    max_response_length: int = Field(512, ge=1, description="total response budget: model turns + observations")
+    max_obs_length: int = Field(256, ge=8, description="observation tokens per search, closing tag kept")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    weight_update_mode: Literal["pause", "inflight"] = "pause"
+    push_batch_size: int = Field(8, ge=1, description="trajectories per push to the buffer")
+    kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    gpu_memory_utilization: float = Field(0.8, gt=0, le=1)
+    enforce_eager: bool = True
+    multiprocess_engine: bool = Field(False, description="vLLM V1 multiprocessing (extra EngineCore process)")
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------------- buffer
+class BufferConfig(_Section):
+    max_staleness: int = Field(2, ge=0, description="eta: max learner_version - min token version; 0 = on-policy")
+    capacity_trajectories: int = Field(4096, ge=1)
+    capacity_tokens: int = Field(8_000_000, ge=1)
+    sampling: Literal["fifo", "priority"] = "fifo"
+    partial_groups: Literal["wait", "release", "drop"] = Field(
+        "wait", description="groups with missing members: wait for them, release what arrived, or drop (counted)"
+    )
+    partial_group_timeout_s: float = Field(300.0, gt=0)
+    snapshot_dir: Optional[str] = None
+    snapshot_every_steps: int = Field(0, ge=0)
+
+
+# ------------------------------------------------------------------------------------------------------- algorithm
+class AlgorithmConfig(_Section):
+    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "gae"] = "grpo"
+    stepwise_advantage: Literal["none", "broadcast", "per_step"] = "none"
+    gamma: float = Field(1.0, gt=0, le=1)
+    lam: float = Field(1.0, gt=0, le=1)
+    whiten_advantages: bool = False
+    policy_loss: Literal["ppo", "decoupled_ppo"] = "decoupled_ppo"
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    dual_clip_c: Optional[float] = Field(3.0, description="dual-clip constant for A<0 (None disables)")
+    behavior_weight_mode: Literal["truncate", "mask"] = "truncate"
+    behavior_weight_cap: float = Field(2.0, gt=1.0)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference loss coefficient (Search-R1 GRPO: 0.001)")
+    kl_estimator: Literal["k1", "abs", "k2", "k3"] = "k3"
+    vf_coef: float = Field(0.5, ge=0)
+    value_clip: float = Field(0.2, ge=0)
+    mask_observations: bool = Field(True, description="observation tokens take no loss (Search-R1's ablation knob)")
+    group_filter: Literal["none", "zero_variance"] = "none"
+
+
+class RewardTerm(_Section):
+    name: Literal["exact_match", "substring_match", "f1", "format", "tag_count", "retrieval_hit", "format_em"]
+    weight: float = 1.0
+
+
+class RewardConfig(_Section):
+    terms: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="exact_match", weight=1.0)])
+
+
+# --------------------------------------------------------------------------------------------------------- learner
+class LearnerConfig(_Section):
+    total_steps: int = Field(20, ge=0)
+    batch_size: int = Field(32, ge=1, description="trajectories per learner step")
+    mini_batch_size: int = Field(32, ge=1, description="trajectories per optimizer update")
+    micro_batch_size: int = Field(8, ge=1, description="trajectories per forward/backward")
+    ppo_epochs: int = Field(1, ge=1)
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    grad_clip: float = Field(1.0, gt=0)
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    num_ranks: int = Field(1, ge=1)
+    use_reference_model: bool = False
+    critic_lr: float = Field(1e-5, gt=0)
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0 = only at the end)")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _batches(self) -> "LearnerConfig":
+        if self.batch_size % self.mini_batch_size:
+            raise ValueError("batch_size must be a multiple of mini_batch_size")
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError("mini_batch_size must be a multiple of micro_batch_size")
+        return self
+
+
+class WeightSyncConfig(_Section):
+    every_steps: int = Field(1, ge=1, description="publish weights (bump the version) every k learner steps")
+    method: Literal["object_store", "nccl"] = "object_store"
+
+
+class SFTConfig(_Section):
+    num_demos: int = Field(2000, ge=1)
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+    seed: int = 0
+
+
+class MonitoringConfig(_Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    exporter_port: int = Field(0, ge=0, le=65535, description="0 = free port per process")
+    prometheus_sd_file: Optional[str] = Field(None, description="file-based service discovery targets (JSON)")
+    log_every_s: float = Field(5.0, gt=0)
+
+
+class ClusterConfig(_Section):
+    ray_address: Optional[str] = Field(None, description="None: start a local Ray; 'auto' or an address: connect")
+    num_cpus: Optional[int] = Field(None, ge=1)
+    rollout_actor_cpus: float = Field(0.5, ge=0)
+    rollout_actor_gpus: float = Field(0.0, ge=0)
+    learner_cpus: float = Field(0.5, ge=0)
+    learner_gpus: float = Field(0.0, ge=0)
+    buffer_cpus: float = Field(0.0, ge=0)
+    env_vars: dict[str, str] = Field(default_factory=dict)
+
+
+class RunConfig(_Section):
+    name: str = "quickstart"
+    output_dir: str = "runs"
+    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    retriever: RetrieverConfig = RetrieverConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    buffer: BufferConfig = BufferConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig = RewardConfig()
+    learner: LearnerConfig = LearnerConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    sft: SFTConfig = SFTConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the resolved config (every default filled in) as YAML."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
+        return path
+
+
+# ------------------------------------------------------------------------------------------------ loading and errors
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b.c=value"`` -> (["a", "b", "c"], value parsed as YAML). ``a.b=`` gives None."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from None
+    return key.split("."), value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    tree = copy.deepcopy(tree)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = tree
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(path[: i + 1])} is a value, not a section")
+            node = nxt
+        node[path[-1]] = value
+    return tree
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: Any = Config
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        model = field.annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        path = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            allowed = sorted(parent.model_fields) if parent else []
+            lines.append(f"  {path}: unknown key; allowed keys here: {', '.join(allowed)}")
+        else:
+            lines.append(f"  {path}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def build_config(tree: dict[str, Any], source: str = "<dict>") -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply dotted overrides."""
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(tree).__name__}")
+    if overrides:
+        tree = apply_overrides(tree, overrides)
+        source += " + overrides"
+    return build_config(tree, source)
+
+
+def config_json(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True)
