@@ -1,0 +1,114 @@
+"""RL algorithms as pure tensor functions, registered by the names ``AlgorithmConfig`` uses.
+
+No Ray, no DeepSpeed, no I/O: the learner calls these on ``(B, T)`` tensors over response token positions, with
+``response_mask`` 1 on model-generated (action) tokens only (REFERENCE.md sections 2 and 3).
+
+=========================  ==================================================  =====================================
+registry                   names                                                config field
+=========================  ==================================================  =====================================
+ADVANTAGE_ESTIMATORS       grpo, grpo_no_std, rloo, reinforce_pp, gae          algorithm.advantage_estimator
+STEPWISE_MODES             none, broadcast, per_step                           algorithm.stepwise_advantage
+POLICY_LOSSES              ppo, decoupled_ppo                                  algorithm.policy_loss
+BEHAVIOR_WEIGHT_MODES      truncate, mask                                      algorithm.behavior_weight_mode
+LOSS_AGGREGATORS           token-mean, seq-mean-token-sum, seq-mean-token-     algorithm.loss_agg_mode
+                           mean, seq-mean-token-sum-norm
+KL_ESTIMATORS              k1, abs, k2, k3                                     algorithm.kl_estimator
+=========================  ==================================================  =====================================
+
+Each ``get_*(name)`` raises ``UnknownAlgorithmError`` (a ``ValueError``) listing the allowed names.
+"""
+
+from async_agent_rl.algorithms._registry import UnknownAlgorithmError
+from async_agent_rl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    GROUP_NORMALIZERS,
+    STEPWISE_MODES,
+    compute_advantages,
+    gae_advantages,
+    get_advantage_estimator,
+    get_stepwise_mode,
+    grpo_advantages,
+    grpo_no_std_advantages,
+    grpo_no_std_scores,
+    grpo_scores,
+    place_outcome_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    rloo_scores,
+    sequence_scores,
+    stepwise_broadcast,
+    stepwise_none,
+    stepwise_per_step,
+    turn_index_from_mask,
+    whiten_advantages,
+)
+from async_agent_rl.algorithms.kl import KL_ESTIMATORS, get_kl_estimator, kl_abs, kl_k1, kl_k2, kl_k3, kl_penalty
+from async_agent_rl.algorithms.losses import (
+    BEHAVIOR_WEIGHT_MODES,
+    LOSS_AGGREGATORS,
+    POLICY_LOSSES,
+    agg_loss,
+    behavior_weight,
+    behavior_weight_metrics,
+    clipped_value_loss,
+    decoupled_ppo_loss,
+    entropy_from_logits,
+    get_behavior_weight_mode,
+    get_policy_loss,
+    mask_behavior_weight,
+    ppo_clip_per_token,
+    ppo_loss,
+    truncate_behavior_weight,
+)
+from async_agent_rl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "BEHAVIOR_WEIGHT_MODES",
+    "GROUP_NORMALIZERS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATORS",
+    "POLICY_LOSSES",
+    "STEPWISE_MODES",
+    "UnknownAlgorithmError",
+    "agg_loss",
+    "behavior_weight",
+    "behavior_weight_metrics",
+    "clipped_value_loss",
+    "compute_advantages",
+    "decoupled_ppo_loss",
+    "entropy_from_logits",
+    "gae_advantages",
+    "get_advantage_estimator",
+    "get_behavior_weight_mode",
+    "get_kl_estimator",
+    "get_policy_loss",
+    "get_stepwise_mode",
+    "grpo_advantages",
+    "grpo_no_std_advantages",
+    "grpo_no_std_scores",
+    "grpo_scores",
+    "kl_abs",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalty",
+    "mask_behavior_weight",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "place_outcome_rewards",
+    "ppo_clip_per_token",
+    "ppo_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "rloo_scores",
+    "sequence_scores",
+    "stepwise_broadcast",
+    "stepwise_none",
+    "stepwise_per_step",
+    "truncate_behavior_weight",
+    "turn_index_from_mask",
+    "whiten_advantages",
+]
