@@ -52,7 +52,8 @@ class TinyModelConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = Field("runs/quickstart/model", description="HF model folder (built by `model init` if missing)")
+    path: str = Field("runs/quickstart/model", description="HF model folder (transformers and vLLM load it)")
+    build_if_missing: bool = Field(False, description="build a tiny model from `init` at `path` when it is missing")
     init: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_model_len: int = Field(2048, ge=64, description="context length for the engine and the learner")
@@ -75,12 +76,13 @@ class WorldConfig(_Section):
 
 class DataConfig(_Section):
     world_dir: str = Field("runs/quickstart/world", description="where `data make-world` writes (default task)")
+    make_world_if_missing: bool = Field(False, description="generate the world into world_dir when files are missing")
     world: WorldConfig = WorldConfig()
     train_files: list[str] = Field(default_factory=lambda: ["runs/quickstart/world/train.parquet"])
     test_files: list[str] = Field(default_factory=lambda: ["runs/quickstart/world/test.parquet"])
     corpus_file: str = "runs/quickstart/world/corpus.jsonl"
-    prompt_template: Literal["search_r1", "base"] = Field(
-        "search_r1", description="search_r1: Search-R1's instruction template; base: a plain completion prompt"
+    prompt_template: Literal["search_r1", "minimal"] = Field(
+        "search_r1", description="search_r1: Search-R1's instruction template; minimal: a one-line instruction"
     )
     prompt_from: Literal["template", "dataset"] = Field(
         "template", description="template: re-render the question; dataset: use the parquet's prompt as is"
@@ -340,6 +342,12 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
+def _leaf_paths(value: Any, prefix: str) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaf_paths(v, f"{prefix}.{k}")]
+    return [prefix]
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
@@ -348,7 +356,9 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             parent = _model_at(loc[:-1])
             allowed = sorted(parent.model_fields) if parent else []
-            lines.append(f"  {path}: unknown key; allowed keys here: {', '.join(allowed)}")
+            leaves = _leaf_paths(e.get("input"), path)
+            shown = path if leaves == [path] else f"{path} (given as {', '.join(leaves)})"
+            lines.append(f"  {shown}: unknown key; allowed keys here: {', '.join(allowed)}")
         else:
             lines.append(f"  {path}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)

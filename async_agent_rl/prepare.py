@@ -1,0 +1,48 @@
+"""Idempotent preparation of a run's inputs: the embedded world and the tiny model, only where the config asks.
+
+A user's own paths are never filled with generated stand-ins: a missing file that the config does not allow us to
+build is an error naming the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from async_agent_rl.config import Config, ConfigError
+
+
+def _missing(paths: list[str]) -> list[str]:
+    return [p for p in paths if not Path(p).is_file()]
+
+
+def prepare(cfg: Config, force: bool = False) -> Iterator[str]:
+    """Yield one line per action taken (or found already done)."""
+    data_files = [*cfg.data.train_files, *cfg.data.test_files, cfg.data.corpus_file]
+    missing = _missing(data_files)
+    if (missing or force) and cfg.data.make_world_if_missing:
+        from async_agent_rl.data.world import generate_world, write_world
+
+        world = generate_world(cfg.data.world)
+        write_world(world, cfg.data.world_dir, template=cfg.data.prompt_template)
+        yield (
+            f"generated the search world (seed {cfg.data.world.seed}): {len(world.entities)} passages, "
+            f"{len(world.train)} train / {len(world.test)} test questions -> {cfg.data.world_dir}"
+        )
+        missing = _missing(data_files)
+    elif not missing:
+        yield f"data present: {', '.join(data_files)}"
+    if missing:
+        raise ConfigError(f"data files missing: {', '.join(missing)} (set data.make_world_if_missing=true to generate)")
+
+    model_dir = Path(cfg.model.path)
+    has_model = (model_dir / "config.json").is_file()
+    if (not has_model or force) and cfg.model.build_if_missing:
+        from async_agent_rl.tiny_model import init_tiny_model
+
+        init_tiny_model(model_dir, cfg.model.init, cfg.data.corpus_file)
+        yield f"built a tiny Qwen2 model (hidden {cfg.model.init.hidden_size}, {cfg.model.init.num_hidden_layers} layers) -> {model_dir}"
+    elif has_model:
+        yield f"model present: {model_dir}"
+    else:
+        raise ConfigError(f"model.path {model_dir} has no config.json (set model.build_if_missing=true to build a tiny one)")

@@ -1,0 +1,121 @@
+"""Tiny models built from a config (no hub): a byte-level BPE tokenizer trained on the corpus and a randomly
+initialised Qwen2 causal LM, saved with ``save_pretrained`` so transformers and vLLM both load the folder.
+
+The agent's tags (``<think>``, ``<search>``, ``</search>``, ``<information>``, ``<answer>``, ...) are added as
+single, NON-special tokens when ``tags_as_tokens`` is on (the default). Why:
+
+- a tiny model learns the format from a few thousand demonstrations far faster when each tag is one token
+  instead of 4-6 byte-pieces;
+- tokenization is stable at the seams: an observation block tokenized on its own starts with the
+  ``<information>`` token whatever text precedes it, so never re-tokenizing the transcript is exact;
+- non-special means ``skip_special_tokens=True`` decoding still shows them, and the same stop *strings*
+  (``</search>``, ``</answer>``) work for this tokenizer and for real ones (Qwen) where the tags are plain text.
+
+Chat template: ChatML (``<|im_start|>role\\n...<|im_end|>\\n``), the format Qwen instruct models use; ``<|im_end|>``
+is EOS, ``<|endoftext|>`` is padding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from async_agent_rl.config import TinyModelConfig
+from async_agent_rl.prompts import MINIMAL_TEMPLATE, SEARCH_R1_TEMPLATE, TAGS
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _corpus_texts(corpus_file: str | Path | None, extra_texts: Iterable[str]) -> Iterator[str]:
+    yield SEARCH_R1_TEMPLATE
+    yield MINIMAL_TEMPLATE
+    yield from extra_texts
+    if corpus_file:
+        with open(corpus_file) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    yield json.loads(line)["contents"]
+
+
+def train_tokenizer(cfg: TinyModelConfig, corpus_file: str | Path | None, extra_texts: Iterable[str] = ()):
+    """Byte-level BPE trained on the corpus (plus the prompt templates), wrapped as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = list(_corpus_texts(corpus_file, extra_texts))
+    tok.train_from_iterator(texts, trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    if cfg.tags_as_tokens:
+        from tokenizers import AddedToken
+
+        hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    hf.chat_template = CHATML_TEMPLATE
+    hf.model_max_length = cfg.max_position_embeddings
+    return hf
+
+
+def build_model(cfg: TinyModelConfig, tokenizer):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def init_tiny_model(
+    out_dir: str | Path, cfg: TinyModelConfig, corpus_file: str | Path | None = None, extra_texts: Iterable[str] = ()
+) -> Path:
+    """Train the tokenizer, build the model, ``save_pretrained`` both into ``out_dir``; returns the folder."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(cfg, corpus_file, extra_texts)
+    model = build_model(cfg, tokenizer)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "tiny_model.json").write_text(json.dumps(cfg.model_dump(), indent=1))
+    return out
+
+
+def num_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The README's test command: set up (idempotent), then run the whole test suite.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# shellcheck disable=SC1091
+. "${AAR_VENV:-.venv}/bin/activate"
+export RAY_AUTH_MODE=disabled
+if [ "$#" -eq 0 ]; then set -- tests; fi
+exec python -m pytest -q -rs --durations=15 "$@"

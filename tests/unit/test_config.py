@@ -1,0 +1,113 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from async_agent_rl.config import Config, ConfigError, load_config, parse_override
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_there_are_shipped_configs():
+    assert any(p.name == "quickstart.yaml" for p in SHIPPED)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    # every key written in the file survives into the typed tree (nothing silently dropped)
+    raw = yaml.safe_load(path.read_text())
+    resolved = cfg.to_dict()
+
+    def walk(node, ref, where):
+        for k, v in node.items():
+            assert k in ref, f"{where}{k} lost"
+            if isinstance(v, dict) and isinstance(ref[k], dict):
+                walk(v, ref[k], f"{where}{k}.")
+
+    walk(raw, resolved, "")
+
+
+def test_dotted_override_sets_nested_value_with_yaml_typing():
+    cfg = load_config(None, ["algorithm.clip_ratio_high=0.28", "rollout.num_actors=3", "retriever.url=null"])
+    assert cfg.algorithm.clip_ratio_high == pytest.approx(0.28)
+    assert cfg.rollout.num_actors == 3 and cfg.retriever.url is None
+
+
+def test_unknown_key_names_full_path_and_allowed_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.clip_ratio_hgh=0.3"])
+    msg = str(e.value)
+    assert "algorithm.clip_ratio_hgh" in msg and "clip_ratio_high" in msg
+
+
+def test_unknown_nested_section_names_every_leaf():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["nosuch.section.key=1"])
+    assert "nosuch.section.key" in str(e.value)
+
+
+def test_bad_enum_value_lists_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.kl_estimator=k9"])
+    msg = str(e.value)
+    assert "algorithm.kl_estimator" in msg and "'k3'" in msg
+
+
+def test_bad_type_and_range_fail():
+    with pytest.raises(ConfigError, match="rollout.max_turns"):
+        load_config(None, ["rollout.max_turns=0"])
+    with pytest.raises(ConfigError, match="learner.lr"):
+        load_config(None, ["learner.lr=fast"])
+
+
+def test_cross_field_rule():
+    with pytest.raises(ConfigError, match="mini_batch_size"):
+        load_config(None, ["learner.batch_size=30", "learner.mini_batch_size=8"])
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError):
+        parse_override("no_equals_sign")
+    with pytest.raises(ConfigError):
+        parse_override(".a=1")
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(None, ["run.name=x", "run.name.sub=1"])
+
+
+def test_non_mapping_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(REPO / "configs/quickstart.yaml", ["learner.lr=0.5"])
+    path = cfg.save(tmp_path / "resolved.yaml")
+    again = load_config(path)
+    assert again == cfg and again.learner.lr == 0.5
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "async_agent_rl.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+
+
+def test_cli_config_show_prints_resolved_config():
+    r = _cli("config", "show", "--config", "configs/quickstart.yaml", "algorithm.clip_ratio_high=0.28")
+    assert r.returncode == 0, r.stderr
+    shown = Config.model_validate(yaml.safe_load(r.stdout))
+    assert shown.algorithm.clip_ratio_high == pytest.approx(0.28)
+
+
+def test_cli_config_show_rejects_unknown_key_with_path():
+    r = _cli("config", "show", "--config", "configs/quickstart.yaml", "rollout.max_turn=3")
+    assert r.returncode != 0
+    assert "rollout.max_turn" in r.stderr

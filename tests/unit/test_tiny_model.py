@@ -1,0 +1,67 @@
+"""The tiny model folder loads in transformers; tokenization seams behave as the rollout relies on.
+
+vLLM loading of the same folder is covered by the rollout integration tests.
+"""
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from async_agent_rl.prompts import TAGS, prompt_ids, prompt_text
+
+
+def test_folder_loads_and_generates(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert model.config.model_type == "qwen2" and model.config.vocab_size == len(tok)
+    ids = torch.tensor([prompt_ids(tok, [{"role": "user", "content": "Who founded X?"}], True)])
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] >= ids.shape[1] + 1
+
+
+def test_tags_are_single_non_special_tokens(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for tag in TAGS:
+        ids = tok.encode(tag, add_special_tokens=False)
+        assert len(ids) == 1, tag
+        assert tok.decode(ids, skip_special_tokens=True) == tag  # survives skip_special_tokens
+
+
+def test_chat_template_is_chatml_with_generation_prompt(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = prompt_text(tok, [{"role": "user", "content": "hi"}], True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert prompt_text(tok, [{"role": "user", "content": "hi"}], False) == "hi"
+
+
+def _observation_seam(tok):
+    """Tokenizing an observation on its own must give the same ids as tokenizing it after the model's turn,
+    for the separator the rollout uses (observations start with a newline)."""
+    turn = "<search> Aldo Venmar </search>"
+    obs = '\n\n<information>Doc 1(Title: "Aldo Venmar") Aldo Venmar is a poet.</information>\n\n'
+    joint = tok.encode(turn + obs, add_special_tokens=False)
+    apart = tok.encode(turn, add_special_tokens=False) + tok.encode(obs, add_special_tokens=False)
+    return joint, apart
+
+
+def test_observation_tokenized_alone_matches_transcript_tiny(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    joint, apart = _observation_seam(tok)
+    assert joint == apart
+
+
+def test_observation_seam_with_real_qwen_tokenizer(qwen_tokenizer):
+    """With Qwen's BPE, '>' + '\n\n' merge across the seam: re-tokenizing a transcript yields ids the model never
+    produced (the multi-turn drift bug seen in TRL). The rollout therefore keeps the pieces' ids as they were; they
+    decode to exactly the same text."""
+    joint, apart = _observation_seam(qwen_tokenizer)
+    assert joint != apart
+    assert qwen_tokenizer.decode(apart) == qwen_tokenizer.decode(joint)
+
+
+def test_real_qwen_chat_template_and_tags_as_text(qwen_tokenizer):
+    ids = prompt_ids(qwen_tokenizer, [{"role": "user", "content": "Question: who?"}], True)
+    text = qwen_tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>user\nQuestion: who?<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+    # in Qwen's vocab the tags are plain text, several tokens each: stop strings (not ids) must be used
+    assert len(qwen_tokenizer.encode("</search>", add_special_tokens=False)) > 1
