@@ -1,0 +1,154 @@
+"""``TrainBatch``: the typed message from the replay buffer to the learner, and how trajectories are packed into it.
+
+Each row is one trajectory as the model reads it, ``prompt_ids | response_ids``, right-padded to ``L`` (the longest
+row, rounded up to ``pad_to_multiple_of``). Shapes and dtypes (``B`` rows):
+
+=====================  ========  =======  =====================================================================
+field                  shape     dtype    content
+=====================  ========  =======  =====================================================================
+``input_ids``          (B, L)    int64    prompt + response token ids, ``pad_id`` after the end
+``attention_mask``     (B, L)    int64    1 on prompt and response tokens, 0 on padding
+``loss_mask``          (B, L)    float32  1 on model-generated tokens; 0 on prompt, observation and padding
+``behavior_logprobs``  (B, L)    float32  position ``t`` holds the sampling log-prob of token ``t`` (0 elsewhere)
+``versions``           (B, L)    int64    policy version that generated token ``t``; -1 where not generated
+``turn_index``         (B, L)    int64    index (0, 1, ...) of the model turn token ``t`` belongs to; -1 elsewhere
+``prompt_lengths``     (B,)      int64    number of prompt tokens
+``rewards``            (B,)      float32  scalar episode reward
+``group_index``        (B,)      int64    0, 1, 2, ... per distinct ``meta.group_id`` in order of first appearance;
+                                          an empty group id makes a group of its own
+=====================  ========  =======  =====================================================================
+
+Log-prob alignment: a causal LM's logits at position ``t - 1`` predict token ``t``, so the learner shifts its own
+log-probs by one to compare them with ``behavior_logprobs[:, t]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory
+
+_PER_TOKEN = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "versions", "turn_index")
+_PER_ROW = ("prompt_lengths", "rewards", "group_index")
+
+
+@dataclass
+class TrainBatch:
+    """A packed learner batch; see the module docstring for shapes. ``metas[i]`` describes row ``i``."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    behavior_logprobs: torch.Tensor
+    versions: torch.Tensor
+    turn_index: torch.Tensor
+    prompt_lengths: torch.Tensor
+    rewards: torch.Tensor
+    group_index: torch.Tensor
+    metas: list[EpisodeMeta]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lengths(self) -> torch.Tensor:
+        """(B,) int64: prompt + response tokens of each row (padding excluded)."""
+        return self.attention_mask.sum(dim=1)
+
+    def select(self, rows: Sequence[int]) -> "TrainBatch":
+        """Rows ``rows`` (in that order), with padding trimmed to the longest selected row.
+        ``group_index`` keeps the values of the full batch, so advantages computed on it stay addressable."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        width = int(self.seq_lengths[idx].max()) if len(idx) else 0
+        fields = {name: getattr(self, name)[idx, :width] for name in _PER_TOKEN}
+        fields.update({name: getattr(self, name)[idx] for name in _PER_ROW})
+        return TrainBatch(**fields, metas=[self.metas[i] for i in idx.tolist()])
+
+    def to(self, device: str | torch.device) -> "TrainBatch":
+        moved = {name: getattr(self, name).to(device) for name in _PER_TOKEN + _PER_ROW}
+        return dataclasses.replace(self, **moved)
+
+
+def pack_batch(trajs: Sequence[Trajectory], pad_id: int, pad_to_multiple_of: int = 1) -> TrainBatch:
+    """Right-pad ``trajs`` into a ``TrainBatch`` (row ``i`` is ``trajs[i]``)."""
+    if not trajs:
+        raise ValueError("pack_batch needs at least one trajectory")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    rows = len(trajs)
+    longest = max(t.total_length for t in trajs)
+    width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+
+    input_ids = np.full((rows, width), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((rows, width), dtype=np.int64)
+    loss_mask = np.zeros((rows, width), dtype=np.float32)
+    behavior_logprobs = np.zeros((rows, width), dtype=np.float32)
+    versions = np.full((rows, width), OBS_VERSION, dtype=np.int64)
+    turn_index = np.full((rows, width), -1, dtype=np.int64)
+    prompt_lengths = np.zeros(rows, dtype=np.int64)
+    rewards = np.zeros(rows, dtype=np.float32)
+    group_index = np.zeros(rows, dtype=np.int64)
+    group_ids: dict[str, int] = {}
+
+    for i, t in enumerate(trajs):
+        p, total = len(t.prompt_ids), t.total_length
+        generated = np.asarray(t.loss_mask, dtype=bool)
+        input_ids[i, :p] = t.prompt_ids
+        input_ids[i, p:total] = t.response_ids
+        attention_mask[i, :total] = 1
+        loss_mask[i, p:total] = generated
+        behavior_logprobs[i, p:total] = np.where(generated, t.behavior_logprobs, 0.0)
+        versions[i, p:total] = np.where(generated, t.versions, OBS_VERSION)
+        model_turns = (span for span in t.turns if span.kind == "model")
+        for k, span in enumerate(model_turns):
+            turn_index[i, p + span.start : p + span.end] = k
+        prompt_lengths[i] = p
+        rewards[i] = t.reward
+        key = t.meta.group_id or f"\0row{i}"  # an empty group id is a group of one
+        group_index[i] = group_ids.setdefault(key, len(group_ids))
+
+    return TrainBatch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention_mask),
+        loss_mask=torch.from_numpy(loss_mask),
+        behavior_logprobs=torch.from_numpy(behavior_logprobs),
+        versions=torch.from_numpy(versions),
+        turn_index=torch.from_numpy(turn_index),
+        prompt_lengths=torch.from_numpy(prompt_lengths),
+        rewards=torch.from_numpy(rewards),
+        group_index=torch.from_numpy(group_index),
+        metas=[t.meta for t in trajs],
+    )
+
+
+def micro_batches_by_tokens(seq_lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split rows into micro-batches whose padded size ``rows * longest row`` stays within ``max_tokens``.
+
+    Rows are taken longest first and a micro-batch is closed when the next row would overflow it, so each
+    micro-batch holds rows of similar length (little padding) and long and short episodes balance: a micro-batch of
+    long rows has few of them, one of short rows many. Returns row indices; every row appears exactly once.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(seq_lengths)), key=lambda i: -seq_lengths[i])
+    parts: list[list[int]] = []
+    for i in order:
+        if seq_lengths[i] > max_tokens:
+            raise ValueError(f"row {i} has {seq_lengths[i]} tokens, more than the micro-batch budget {max_tokens}")
+        # rows arrive longest first, so a part's longest row is its first
+        if parts and (len(parts[-1]) + 1) * seq_lengths[parts[-1][0]] <= max_tokens:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return parts
+
+
+def split_by_tokens(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
+    """``batch`` cut into micro-batches of at most ``max_tokens`` padded tokens (see ``micro_batches_by_tokens``)."""
+    return [batch.select(rows) for rows in micro_batches_by_tokens(batch.seq_lengths.tolist(), max_tokens)]

@@ -1,0 +1,118 @@
+"""Packing trajectories into a TrainBatch (async_agent_rl.batch), checked against hand-written tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from async_agent_rl.batch import TrainBatch, micro_batches_by_tokens, pack_batch, split_by_tokens
+from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
+
+PAD = 0
+
+
+def two_turn(group_id: str = "g0", reward: float = 1.0) -> Trajectory:
+    """prompt [11, 12] | model [21, 22] | observation [31] | model [23]; versions 4, 4, -, 5."""
+    return Trajectory(
+        prompt_ids=[11, 12],
+        response_ids=[21, 22, 31, 23],
+        loss_mask=[1, 1, 0, 1],
+        behavior_logprobs=[-0.5, -0.25, 0.0, -1.5],
+        versions=[4, 4, -1, 5],
+        turns=[TurnSpan("model", 0, 2), TurnSpan("observation", 2, 3), TurnSpan("model", 3, 4)],
+        reward=reward,
+        meta=EpisodeMeta(group_id=group_id, trajectory_id=f"{group_id}-two"),
+    )
+
+
+def one_turn(group_id: str = "g1", reward: float = 0.0) -> Trajectory:
+    """prompt [7, 8, 9] | model [41]; version 2."""
+    return Trajectory(
+        prompt_ids=[7, 8, 9],
+        response_ids=[41],
+        loss_mask=[1],
+        behavior_logprobs=[-2.0],
+        versions=[2],
+        turns=[TurnSpan("model", 0, 1)],
+        reward=reward,
+        meta=EpisodeMeta(group_id=group_id, trajectory_id=f"{group_id}-one"),
+    )
+
+
+def test_pack_two_rows_by_hand():
+    b = pack_batch([two_turn(), one_turn()], pad_id=PAD)
+    assert b.input_ids.tolist() == [[11, 12, 21, 22, 31, 23], [7, 8, 9, 41, PAD, PAD]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+    # loss only on generated tokens: not on the prompt, the observation (31) or padding
+    assert b.loss_mask.tolist() == [[0, 0, 1, 1, 0, 1], [0, 0, 0, 1, 0, 0]]
+    # position t holds the log-prob of token t
+    assert b.behavior_logprobs.tolist() == [[0, 0, -0.5, -0.25, 0, -1.5], [0, 0, 0, -2.0, 0, 0]]
+    assert b.versions.tolist() == [[-1, -1, 4, 4, -1, 5], [-1, -1, -1, 2, -1, -1]]
+    assert b.turn_index.tolist() == [[-1, -1, 0, 0, -1, 1], [-1, -1, -1, 0, -1, -1]]
+    assert b.prompt_lengths.tolist() == [2, 3]
+    assert b.rewards.tolist() == [1.0, 0.0]
+    assert b.group_index.tolist() == [0, 1]
+    assert b.seq_lengths.tolist() == [6, 4]
+    assert [m.trajectory_id for m in b.metas] == ["g0-two", "g1-one"]
+    assert (b.input_ids.dtype, b.attention_mask.dtype, b.loss_mask.dtype) == (torch.long, torch.long, torch.float32)
+    assert (b.behavior_logprobs.dtype, b.versions.dtype, b.turn_index.dtype) == (torch.float32, torch.long, torch.long)
+    assert (b.prompt_lengths.dtype, b.rewards.dtype, b.group_index.dtype) == (torch.long, torch.float32, torch.long)
+
+
+def test_group_index_is_consecutive_per_group_id_and_empty_ids_stand_alone():
+    trajs = [two_turn("q7"), one_turn("q3"), two_turn("q7"), one_turn(""), one_turn(""), one_turn("q3")]
+    assert pack_batch(trajs, PAD).group_index.tolist() == [0, 1, 0, 2, 3, 1]
+
+
+def test_pad_to_multiple_and_pad_id():
+    b = pack_batch([one_turn()], pad_id=99, pad_to_multiple_of=8)
+    assert b.input_ids.shape == (1, 8)
+    assert b.input_ids[0].tolist() == [7, 8, 9, 41] + [99] * 4
+    with pytest.raises(ValueError):
+        pack_batch([], PAD)
+
+
+def test_wire_round_trip_packs_the_same():
+    trajs = [two_turn(), one_turn()]
+    direct = pack_batch(trajs, PAD)
+    wired = pack_batch([Trajectory.decode(t.encode()) for t in trajs], PAD)
+    for name in ("input_ids", "loss_mask", "behavior_logprobs", "versions", "turn_index"):
+        assert torch.equal(getattr(direct, name), getattr(wired, name))
+
+
+def test_select_trims_padding_and_keeps_group_index():
+    b = pack_batch([two_turn("a"), one_turn("b"), one_turn("a")], PAD)
+    sub = b.select([2, 1])
+    assert sub.input_ids.tolist() == [[7, 8, 9, 41], [7, 8, 9, 41]]
+    assert sub.group_index.tolist() == [0, 1]
+    assert [m.group_id for m in sub.metas] == ["a", "b"]
+    assert isinstance(sub.to("cpu"), TrainBatch) and sub.to("cpu").input_ids.device.type == "cpu"
+
+
+def test_micro_batches_by_hand():
+    # lengths 10, 3, 9, 2, 2 with a budget of 20 padded tokens: [10, 9] costs 20, then [3, 2, 2] costs 9
+    assert micro_batches_by_tokens([10, 3, 9, 2, 2], 20) == [[0, 2], [1, 3, 4]]
+    with pytest.raises(ValueError, match="row 1 has 30 tokens"):
+        micro_batches_by_tokens([5, 30], 20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=40), budget=st.integers(50, 400))
+def test_micro_batches_cover_every_row_once_within_budget(lengths, budget):
+    parts = micro_batches_by_tokens(lengths, budget)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    for p in parts:
+        assert len(p) * max(lengths[i] for i in p) <= budget
+    # no two consecutive parts could have been merged
+    for a, b in zip(parts, parts[1:]):
+        assert (len(a) + 1) * max(lengths[i] for i in a) > budget
+
+
+def test_split_by_tokens_rows_add_up():
+    b = pack_batch([two_turn("a"), one_turn("b"), one_turn("c"), two_turn("d")], PAD)
+    parts = split_by_tokens(b, max_tokens=12)
+    assert sorted(m.group_id for p in parts for m in p.metas) == ["a", "b", "c", "d"]
+    assert all(p.input_ids.numel() <= 12 for p in parts)
+    assert sum(int(p.loss_mask.sum()) for p in parts) == int(b.loss_mask.sum())
