@@ -1,0 +1,492 @@
+"""Version-tagged replay buffer of GRPO groups (a plain class; ``buffer.actor`` is its Ray shell).
+
+Trajectories are kept as their msgpack wire bytes (``Trajectory.encode``) and grouped by ``meta.group_id``.
+
+Groups. A group is *ready* when all ``group_size`` members arrived, or fewer when members were reported rejected
+(``reject``); such a short group is released with what came, counted in ``groups_released_short``. A group still
+incomplete ``partial_group_timeout_s`` after its first member arrived follows ``BufferConfig.partial_groups``:
+``wait`` keeps waiting (counted once in ``groups_overdue``, with a log line), ``release`` makes it ready as it is
+(``groups_released_partial``), ``drop`` evicts its members (reason ``partial_group_timeout``).
+
+Sampling. ``sample(batch_size, v)`` returns ``batch_size // group_size`` whole groups (members adjacent), oldest
+first (``fifo``) or highest ``meta.extra["priority"]`` first (``priority``, a group's priority is its members'
+maximum, ties oldest first), or None while fewer groups are ready. Before choosing, every ready group with
+``staleness(v, min token version of the group) > max_staleness`` is evicted (reason ``stale``): a group goes whole.
+
+Capacity and backpressure. Memory is bounded by ``capacity_trajectories`` and ``capacity_tokens`` (prompt +
+response tokens), never exceeded. A trajectory that opens a new group must find room for the whole group on top
+of what pending groups were promised: ``group_size`` slots and ``group_size`` times its own length in tokens (at
+most ``capacity_tokens``); a pending group's promise is its missing members times its arrived members' mean length.
+Members of a pending group only need room for themselves, so groups under way can complete when the buffer is full.
+``push`` accepts the longest prefix that fits and reports ``full``: the producer waits and pushes the rest again.
+
+Accounting: ``pushed == sampled + sum(evicted.values()) + size`` at all times; nothing leaves silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+import os
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import msgpack
+import numpy as np
+
+from async_agent_rl.config import BufferConfig
+from async_agent_rl.records import OBS_VERSION, SCHEMA_VERSION, RecordError, Trajectory
+from async_agent_rl.staleness import group_min_version, is_stale, staleness
+
+logger = logging.getLogger(__name__)
+
+EVICT_STALE = "stale"
+EVICT_PARTIAL_TIMEOUT = "partial_group_timeout"
+EVICTION_REASONS = (EVICT_STALE, EVICT_PARTIAL_TIMEOUT)
+
+
+class CapacityError(ValueError):
+    """A trajectory is longer than ``capacity_tokens``: it could never fit."""
+
+
+class SnapshotError(ValueError):
+    """A snapshot file is missing, truncated, corrupt or incompatible; the message names the file."""
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Reply to a push: the first ``accepted`` trajectories are stored. ``full``: the buffer has no room for the
+    rest; wait (the learner frees room by sampling) and push ``blobs[accepted:]`` again."""
+
+    accepted: int
+    full: bool
+
+
+@dataclass
+class _Item:
+    blob: bytes
+    min_version: int
+    tokens: int
+    priority: float
+    pushed_at: float
+
+
+@dataclass
+class _Group:
+    gid: str
+    first_at: float
+    items: list[_Item] = field(default_factory=list)
+    rejected: int = 0
+    overdue: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(it.tokens for it in self.items)
+
+    @property
+    def min_version(self) -> int:
+        return group_min_version(it.min_version for it in self.items)
+
+    @property
+    def priority(self) -> float:
+        return max((it.priority for it in self.items), default=0.0)
+
+
+def _peek(blob: bytes) -> tuple[str, _Item]:
+    """Group id and index entry of one wire record, without decoding the token arrays into lists (about 7 us for
+    2k tokens, against ~190 us for ``Trajectory.decode``). Checks the schema and that per-token arrays agree."""
+    try:
+        d = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise RecordError(f"not a msgpack trajectory record: {e}") from None
+    if not isinstance(d, dict) or d.get("schema") != SCHEMA_VERSION:
+        got = d.get("schema") if isinstance(d, dict) else type(d).__name__
+        raise RecordError(f"not a trajectory record of schema version {SCHEMA_VERSION} (got {got!r})")
+    try:
+        n = len(d["response_ids"]) // 4
+        mask = np.frombuffer(d["loss_mask"], dtype="u1")
+        versions = np.frombuffer(d["versions"], dtype="<i4")
+        if len(mask) != n or len(versions) != n or len(d["behavior_logprobs"]) != 4 * n:
+            raise RecordError("per-token arrays differ in length from response_ids")
+        generated = versions[mask.astype(bool)]
+        meta = d["meta"]
+        item = _Item(
+            blob=blob,
+            min_version=int(generated.min()) if generated.size else OBS_VERSION,
+            tokens=len(d["prompt_ids"]) // 4 + n,
+            priority=float((meta.get("extra") or {}).get("priority", 0.0)),
+            pushed_at=0.0,
+        )
+        return str(meta["group_id"]), item
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, RecordError):
+            raise
+        raise RecordError(f"malformed trajectory record: {e!r}") from None
+
+
+class ReplayBuffer:
+    """See the module docstring. ``on_evict(n)`` is told of every eviction (the admission state frees the slots);
+    ``clock`` gives seconds (monotonic) for timeouts and ages."""
+
+    def __init__(
+        self,
+        config: BufferConfig,
+        group_size: int,
+        *,
+        on_evict: Optional[Callable[[int], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if group_size < 1 or group_size > config.capacity_trajectories:
+            raise ValueError(
+                f"group_size={group_size} must be in [1, capacity_trajectories={config.capacity_trajectories}]"
+            )
+        self.config = config
+        self.group_size = group_size
+        self._on_evict = on_evict
+        self._clock = clock
+        self._pending: dict[str, _Group] = {}  # by group id, in order of first arrival
+        self._ready: dict[int, _Group] = {}  # by release sequence number
+        self._order: list[tuple[float, int]] = []  # heap of (-priority or 0, seq); lazily skips gone groups
+        self._by_version: list[tuple[int, int]] = []  # heap of (group min version, seq) for stale eviction
+        self._seq = 0
+        self._size = 0
+        self._tokens = 0
+        self._bytes = 0
+        self.learner_version = 0
+        self.counters: Counter[str] = Counter()
+        self.evicted: Counter[str] = Counter({r: 0 for r in EVICTION_REASONS})
+        self.staleness_histogram: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return self._size
+
+    # ------------------------------------------------------------------------------------------------------ push
+    def push(self, blobs: Sequence[bytes]) -> PushResult:
+        """Store the longest prefix of ``blobs`` that fits. Raises (storing nothing) ``RecordError`` if a blob is
+        not a valid record, ``CapacityError`` if one is longer than ``capacity_tokens``. ``push_refused`` in
+        ``stats`` counts trajectories turned away for lack of room (a retried one each time)."""
+        self._expire_partial()
+        entries = [_peek(b) for b in blobs]
+        for k, (gid, item) in enumerate(entries):
+            if not gid and self.group_size > 1:
+                raise RecordError(f"trajectory {k} of the push has no meta.group_id (group_size={self.group_size})")
+            if item.tokens > self.config.capacity_tokens:
+                raise CapacityError(
+                    f"trajectory {k} of the push has {item.tokens} tokens, more than capacity_tokens="
+                    f"{self.config.capacity_tokens}: it can never fit"
+                )
+        now = self._clock()
+        for k, (gid, item) in enumerate(entries):
+            if not self._fits(gid, item):
+                self.counters["push_refused"] += len(entries) - k
+                return PushResult(accepted=k, full=True)
+            item.pushed_at = now
+            self._add(gid, item, now)
+        return PushResult(accepted=len(entries), full=False)
+
+    def _fits(self, gid: str, item: _Item) -> bool:
+        cfg = self.config
+        group = self._pending.get(gid)
+        if group is not None and group.items:
+            return self._size + 1 <= cfg.capacity_trajectories and self._tokens + item.tokens <= cfg.capacity_tokens
+        need = self.group_size - (group.rejected if group else 0)
+        slots, tokens = self._reserved()
+        # a group that could fill the buffer alone needs it empty of promises, not more than its capacity
+        room = min(need * item.tokens, cfg.capacity_tokens)
+        return slots + need <= cfg.capacity_trajectories and tokens + room <= cfg.capacity_tokens
+
+    def _reserved(self) -> tuple[int, float]:
+        """Stored trajectories and tokens plus the room promised to the missing members of pending groups."""
+        slots, tokens = self._size, float(self._tokens)
+        for g in self._pending.values():
+            if g.items:
+                missing = self.group_size - g.rejected - len(g.items)
+                slots += missing
+                tokens += missing * g.tokens / len(g.items)
+        return slots, tokens
+
+    def _add(self, gid: str, item: _Item, now: float) -> None:
+        group = self._pending.get(gid)
+        if group is None:
+            group = self._pending[gid] = _Group(gid, first_at=now)
+        elif not group.items:
+            group.first_at = now  # only rejections so far: the timeout runs from the first arrival
+        group.items.append(item)
+        self._size += 1
+        self._tokens += item.tokens
+        self._bytes += len(item.blob)
+        self.counters["pushed"] += 1
+        self._maybe_complete(group)
+
+    def reject(self, group_ids: Sequence[str]) -> None:
+        """One member of each listed group was thrown away by its producer: do not wait for it."""
+        now = self._clock()
+        for gid in group_ids:
+            group = self._pending.get(gid)
+            if group is None:
+                group = self._pending[gid] = _Group(gid, first_at=now)
+            group.rejected += 1
+            self.counters["rejected"] += 1
+            self._maybe_complete(group)
+
+    def _maybe_complete(self, group: _Group) -> None:
+        expected = self.group_size - group.rejected
+        if len(group.items) < expected:
+            return
+        del self._pending[group.gid]
+        if group.items:
+            if expected < self.group_size:
+                self.counters["groups_released_short"] += 1
+            self._release(group)
+
+    def _release(self, group: _Group) -> None:
+        seq = self._seq
+        self._seq += 1
+        self._ready[seq] = group
+        priority = -group.priority if self.config.sampling == "priority" else 0.0
+        heapq.heappush(self._order, (priority, seq))
+        if group.min_version != OBS_VERSION:
+            heapq.heappush(self._by_version, (group.min_version, seq))
+
+    # ---------------------------------------------------------------------------------------------------- sample
+    def sample_wire(self, batch_size: int, learner_version: int) -> Optional[list[bytes]]:
+        """``batch_size // group_size`` whole groups as wire bytes, or None while not enough are ready."""
+        if batch_size < 1 or batch_size % self.group_size:
+            raise ValueError(f"batch_size={batch_size} must be a positive multiple of group_size={self.group_size}")
+        self.learner_version = learner_version
+        self._expire_partial()
+        self._evict_stale(learner_version)
+        want = batch_size // self.group_size
+        if len(self._ready) < want:
+            return None
+        out: list[bytes] = []
+        while want:
+            _, seq = heapq.heappop(self._order)
+            group = self._ready.pop(seq, None)
+            if group is None:
+                continue  # evicted earlier
+            want -= 1
+            for it in group.items:
+                self.staleness_histogram[staleness(learner_version, it.min_version)] += 1
+                out.append(it.blob)
+            self._forget(group)
+            self.counters["sampled"] += len(group.items)
+        return out
+
+    def sample(self, batch_size: int, learner_version: int) -> Optional[list[Trajectory]]:
+        """Like ``sample_wire``, decoded."""
+        blobs = self.sample_wire(batch_size, learner_version)
+        return None if blobs is None else [Trajectory.decode(b) for b in blobs]
+
+    def _evict_stale(self, learner_version: int) -> None:
+        eta = self.config.max_staleness
+        while self._by_version and is_stale(learner_version, self._by_version[0][0], eta):
+            min_version, seq = heapq.heappop(self._by_version)
+            group = self._ready.pop(seq, None)
+            if group is not None:
+                self._evict(
+                    group,
+                    EVICT_STALE,
+                    f"staleness {staleness(learner_version, min_version)} > max_staleness {eta} "
+                    f"at learner version {learner_version}",
+                )
+
+    def _expire_partial(self) -> None:
+        now, cfg = self._clock(), self.config
+        for group in list(self._pending.values()):
+            if now - group.first_at < cfg.partial_group_timeout_s:
+                continue
+            if not group.items:  # only rejections were reported and nothing came
+                del self._pending[group.gid]
+            elif cfg.partial_groups == "release":
+                del self._pending[group.gid]
+                self.counters["groups_released_partial"] += 1
+                self._release(group)
+            elif cfg.partial_groups == "drop":
+                del self._pending[group.gid]
+                self._evict(group, EVICT_PARTIAL_TIMEOUT, f"{len(group.items)}/{self.group_size} members arrived")
+            elif not group.overdue:
+                group.overdue = True
+                self.counters["groups_overdue"] += 1
+                logger.warning(
+                    "replay buffer: group %r has %d/%d members after %.0f s; waiting (partial_groups=wait)",
+                    group.gid, len(group.items), self.group_size, now - group.first_at,
+                )
+
+    def _evict(self, group: _Group, reason: str, why: str) -> None:
+        n = len(group.items)
+        self.evicted[reason] += n
+        self._forget(group)
+        logger.warning("replay buffer: evicted %d trajectories of group %r (%s): %s", n, group.gid, reason, why)
+        if self._on_evict is not None:
+            self._on_evict(n)
+
+    def _forget(self, group: _Group) -> None:
+        self._size -= len(group.items)
+        self._tokens -= group.tokens
+        self._bytes -= sum(len(it.blob) for it in group.items)
+
+    # ----------------------------------------------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        """Monitoring view. ``staleness_histogram`` counts consumed trajectories by staleness."""
+        self._expire_partial()
+        now = self._clock()
+        groups = list(self._pending.values()) + list(self._ready.values())
+        oldest = min((it.pushed_at for g in groups for it in g.items[:1]), default=None)
+        return {
+            "size": self._size,
+            "tokens": self._tokens,
+            "bytes": self._bytes,
+            "ready_groups": len(self._ready),
+            "pending_groups": sum(1 for g in self._pending.values() if g.items),
+            "oldest_age_s": 0.0 if oldest is None else now - oldest,
+            "learner_version": self.learner_version,
+            "pushed": self.counters["pushed"],
+            "sampled": self.counters["sampled"],
+            "push_refused": self.counters["push_refused"],
+            "rejected": self.counters["rejected"],
+            "groups_released_short": self.counters["groups_released_short"],
+            "groups_released_partial": self.counters["groups_released_partial"],
+            "groups_overdue": self.counters["groups_overdue"],
+            "evicted": dict(self.evicted),
+            "evicted_total": sum(self.evicted.values()),
+            "staleness_histogram": dict(sorted(self.staleness_histogram.items())),
+            "capacity_trajectories": self.config.capacity_trajectories,
+            "capacity_tokens": self.config.capacity_tokens,
+        }
+
+    # ------------------------------------------------------------------------------------------------- snapshot
+    def snapshot(self, path: str | Path, extra: Optional[dict[str, Any]] = None) -> Path:
+        """Write everything buffered (ready groups in sampling order, pending groups, counters) to ``path``
+        atomically. ``extra`` (msgpack-able) is stored alongside and handed back by ``restore``."""
+        now = self._clock()
+
+        def group_state(g: _Group) -> dict[str, Any]:
+            return {
+                "gid": g.gid,
+                "age_s": now - g.first_at,
+                "rejected": g.rejected,
+                "overdue": g.overdue,
+                "items": [[it.blob, now - it.pushed_at] for it in g.items],
+            }
+
+        payload = msgpack.packb(
+            {
+                "group_size": self.group_size,
+                "learner_version": self.learner_version,
+                "counters": dict(self.counters),
+                "evicted": dict(self.evicted),
+                "staleness_histogram": [[k, v] for k, v in self.staleness_histogram.items()],
+                "ready": [group_state(self._ready[s]) for s in sorted(self._ready)],
+                "pending": [group_state(g) for g in self._pending.values()],
+                "extra": extra or {},
+            },
+            use_bin_type=True,
+        )
+        return _write_snapshot(Path(path), payload)
+
+    @classmethod
+    def restore(
+        cls,
+        path: str | Path,
+        config: BufferConfig,
+        group_size: int,
+        *,
+        on_evict: Optional[Callable[[int], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> tuple["ReplayBuffer", dict[str, Any]]:
+        """Rebuild a buffer from ``snapshot``; returns it and the snapshot's ``extra``. Raises ``SnapshotError``
+        naming ``path`` if the file is missing, truncated, corrupt, or does not match ``group_size``/capacity."""
+        path = Path(path)
+        state = _read_snapshot(path)
+        try:
+            if state["group_size"] != group_size:
+                raise SnapshotError(
+                    f"snapshot {path} was taken with group_size={state['group_size']}, this run has {group_size}"
+                )
+            buf = cls(config, group_size, on_evict=on_evict, clock=clock)
+            now = clock()
+            buf.learner_version = int(state["learner_version"])
+            buf.counters.update(state["counters"])
+            buf.evicted.update(state["evicted"])
+            buf.staleness_histogram.update({int(k): int(v) for k, v in state["staleness_histogram"]})
+            for kind in ("ready", "pending"):
+                for gs in state[kind]:
+                    group = _Group(gs["gid"], first_at=now - gs["age_s"], rejected=gs["rejected"], overdue=gs["overdue"])
+                    for blob, age in gs["items"]:
+                        _, item = _peek(blob)
+                        item.pushed_at = now - age
+                        group.items.append(item)
+                        buf._size += 1
+                        buf._tokens += item.tokens
+                        buf._bytes += len(blob)
+                    if kind == "ready":
+                        buf._release(group)
+                    else:
+                        buf._pending[group.gid] = group
+            extra = dict(state["extra"])
+        except SnapshotError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise SnapshotError(f"snapshot {path} is corrupt: {e!r}") from None
+        if buf._size > config.capacity_trajectories or buf._tokens > config.capacity_tokens:
+            raise SnapshotError(
+                f"snapshot {path} holds {buf._size} trajectories / {buf._tokens} tokens, more than this run's "
+                f"capacity_trajectories={config.capacity_trajectories} / capacity_tokens={config.capacity_tokens}"
+            )
+        return buf, extra
+
+
+# -------------------------------------------------------------------------------------------------- snapshot file
+# Layout: MAGIC | uint16 format version | uint64 payload length | msgpack payload | sha256(payload)
+_MAGIC = b"AARL-REPLAY\n"
+_FORMAT = 1
+_HEADER = struct.Struct(">HQ")
+_DIGEST = 32
+
+
+def _write_snapshot(path: Path, payload: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_MAGIC + _HEADER.pack(_FORMAT, len(payload)))
+        f.write(payload)
+        f.write(hashlib.sha256(payload).digest())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _read_snapshot(path: Path) -> dict[str, Any]:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise SnapshotError(f"cannot read replay buffer snapshot {path}: {e.strerror}") from None
+    head = len(_MAGIC) + _HEADER.size
+    if not data.startswith(_MAGIC):
+        raise SnapshotError(f"{path} is not a replay buffer snapshot (bad magic bytes)")
+    if len(data) < head:
+        raise SnapshotError(f"replay buffer snapshot {path} is truncated: {len(data)} bytes, header alone is {head}")
+    fmt, length = _HEADER.unpack_from(data, len(_MAGIC))
+    if fmt != _FORMAT:
+        raise SnapshotError(f"replay buffer snapshot {path} has format {fmt}, this build reads format {_FORMAT}")
+    if len(data) != head + length + _DIGEST:
+        raise SnapshotError(
+            f"replay buffer snapshot {path} is truncated or padded: {len(data)} bytes, expected {head + length + _DIGEST}"
+        )
+    payload = data[head : head + length]
+    if hashlib.sha256(payload).digest() != data[head + length :]:
+        raise SnapshotError(f"replay buffer snapshot {path} is corrupt: checksum mismatch")
+    try:
+        state = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise SnapshotError(f"replay buffer snapshot {path} is corrupt: {e}") from None
+    if not isinstance(state, dict):
+        raise SnapshotError(f"replay buffer snapshot {path} is corrupt: top level is {type(state).__name__}")
+    return state

@@ -1,0 +1,339 @@
+"""The plain ReplayBuffer: groups, ordering, staleness eviction, partial groups, backpressure, stats, snapshots."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from async_agent_rl.config import BufferConfig
+from async_agent_rl.records import RecordError, EpisodeMeta, Trajectory, TurnSpan
+from buffer.replay_buffer import (
+    EVICT_PARTIAL_TIMEOUT,
+    EVICT_STALE,
+    CapacityError,
+    ReplayBuffer,
+    SnapshotError,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def traj(gid: str, member: int = 0, version: int = 0, tokens: int = 4, priority: float | None = None) -> bytes:
+    """A 2-token prompt plus ``tokens - 2`` generated tokens, all of ``version``, as wire bytes."""
+    n = tokens - 2
+    extra = {} if priority is None else {"priority": priority}
+    return Trajectory(
+        prompt_ids=[1, 2],
+        response_ids=[5] * n,
+        loss_mask=[1] * n,
+        behavior_logprobs=[-0.1] * n,
+        versions=[version] * n,
+        turns=[TurnSpan("model", 0, n)],
+        meta=EpisodeMeta(group_id=gid, trajectory_id=f"{gid}/{member}", extra=extra),
+    ).encode()
+
+
+def ids(blobs) -> list[str]:
+    return [Trajectory.decode(b).meta.trajectory_id for b in blobs]
+
+
+def make(group_size=2, clock=None, **cfg) -> ReplayBuffer:
+    return ReplayBuffer(BufferConfig(**cfg), group_size, clock=clock or Clock())
+
+
+def test_group_released_only_when_complete_and_comes_out_whole():
+    buf = make(group_size=3)
+    buf.push([traj("a", 0), traj("b", 0), traj("a", 1)])
+    assert buf.sample_wire(3, 0) is None  # neither group complete
+    buf.push([traj("b", 1), traj("b", 2)])
+    assert ids(buf.sample_wire(3, 0)) == ["b/0", "b/1", "b/2"]
+    buf.push([traj("a", 2)])
+    assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1", "a/2"]
+    with pytest.raises(ValueError, match="multiple of group_size=3"):
+        buf.sample_wire(4, 0)
+
+
+def test_fifo_by_default_and_batch_is_several_groups():
+    buf = make(group_size=1)
+    buf.push([traj(g) for g in "abcde"])
+    assert ids(buf.sample_wire(2, 0)) == ["a/0", "b/0"]
+    assert ids(buf.sample_wire(3, 0)) == ["c/0", "d/0", "e/0"]
+    assert buf.sample_wire(1, 0) is None
+
+
+def test_priority_sampling_highest_first_ties_oldest_first():
+    buf = make(group_size=2, sampling="priority")
+    buf.push([traj("low", 0, priority=0.1), traj("low", 1)])
+    buf.push([traj("hi", 0), traj("hi", 1, priority=5.0)])
+    buf.push([traj("tie", 0, priority=0.1), traj("tie", 1)])
+    assert ids(buf.sample_wire(6, 0)) == ["hi/0", "hi/1", "low/0", "low/1", "tie/0", "tie/1"]
+
+
+def test_stale_groups_evicted_counted_and_logged(caplog):
+    buf = make(group_size=2, max_staleness=1)
+    buf.push([traj("old", 0, version=0), traj("old", 1, version=2)])  # group min version 0
+    buf.push([traj("new", 0, version=2), traj("new", 1, version=2)])
+    with caplog.at_level(logging.WARNING, logger="buffer.replay_buffer"):
+        got = buf.sample_wire(2, learner_version=2)
+    assert ids(got) == ["new/0", "new/1"]
+    s = buf.stats()
+    assert s["evicted"] == {EVICT_STALE: 2, EVICT_PARTIAL_TIMEOUT: 0}
+    assert s["staleness_histogram"] == {0: 2}
+    assert "evicted 2 trajectories of group 'old' (stale)" in caplog.text
+    assert "staleness 2 > max_staleness 1" in caplog.text
+
+
+def test_max_staleness_zero_is_on_policy_and_the_boundary_is_kept():
+    buf = make(group_size=1, max_staleness=0)
+    buf.push([traj("v3", version=3), traj("v2", version=2)])
+    assert ids(buf.sample_wire(1, 3)) == ["v3/0"]
+    assert buf.stats()["evicted"][EVICT_STALE] == 1
+    buf = make(group_size=1, max_staleness=2)
+    buf.push([traj("edge", version=1)])
+    assert ids(buf.sample_wire(1, 3)) == ["edge/0"]  # staleness exactly eta is allowed
+    assert buf.stats()["staleness_histogram"] == {2: 1}
+
+
+def test_trajectory_without_generated_tokens_is_never_stale():
+    blob = Trajectory(
+        prompt_ids=[1], response_ids=[9], loss_mask=[0], behavior_logprobs=[0.0], versions=[-1],
+        turns=[TurnSpan("observation", 0, 1)], meta=EpisodeMeta(group_id="obs", trajectory_id="obs/0"),
+    ).encode()
+    buf = make(group_size=1, max_staleness=0)
+    buf.push([blob])
+    assert ids(buf.sample_wire(1, 50)) == ["obs/0"]
+
+
+def test_rejected_members_release_a_short_group():
+    buf = make(group_size=3)
+    buf.reject(["a"])  # reported before any member arrived
+    buf.push([traj("a", 0)])
+    assert buf.sample_wire(3, 0) is None
+    buf.push([traj("a", 1)])
+    assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1"]
+    s = buf.stats()
+    assert (s["groups_released_short"], s["rejected"]) == (1, 1)
+
+
+def test_partial_group_wait_keeps_waiting_and_counts_overdue(caplog):
+    clock = Clock()
+    buf = make(group_size=2, clock=clock, partial_groups="wait", partial_group_timeout_s=10)
+    buf.push([traj("a", 0)])
+    clock.now += 11
+    with caplog.at_level(logging.WARNING, logger="buffer.replay_buffer"):
+        assert buf.sample_wire(2, 0) is None
+        buf.stats()
+    assert buf.stats()["groups_overdue"] == 1  # counted once
+    assert "group 'a' has 1/2 members after 11 s" in caplog.text
+    buf.push([traj("a", 1)])
+    assert ids(buf.sample_wire(2, 0)) == ["a/0", "a/1"]
+
+
+def test_partial_group_release_after_timeout():
+    clock = Clock()
+    buf = make(group_size=3, clock=clock, partial_groups="release", partial_group_timeout_s=10)
+    buf.push([traj("a", 0), traj("a", 1)])
+    clock.now += 9
+    assert buf.sample_wire(3, 0) is None
+    clock.now += 2
+    assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1"]
+    assert buf.stats()["groups_released_partial"] == 1
+
+
+def test_partial_group_drop_after_timeout_is_an_eviction():
+    clock = Clock()
+    evicted = []
+    buf = ReplayBuffer(
+        BufferConfig(partial_groups="drop", partial_group_timeout_s=10), 3, clock=clock, on_evict=evicted.append
+    )
+    buf.push([traj("a", 0), traj("a", 1)])
+    clock.now += 10
+    s = buf.stats()
+    assert s["evicted"][EVICT_PARTIAL_TIMEOUT] == 2 and s["size"] == 0 and evicted == [2]
+    assert s["pushed"] == s["sampled"] + s["evicted_total"] + s["size"]
+
+
+def test_backpressure_on_trajectory_capacity_accepts_a_prefix():
+    buf = make(group_size=1, capacity_trajectories=3)
+    res = buf.push([traj(g) for g in "abcde"])
+    assert (res.accepted, res.full) == (3, True)
+    assert len(buf) == 3 and buf.stats()["push_refused"] == 2
+    buf.sample_wire(2, 0)
+    res = buf.push([traj(g) for g in "de"])
+    assert (res.accepted, res.full) == (2, False)
+
+
+def test_backpressure_on_token_capacity():
+    buf = make(group_size=1, capacity_tokens=25)
+    res = buf.push([traj("a", tokens=10), traj("b", tokens=10), traj("c", tokens=10)])
+    assert (res.accepted, res.full) == (2, True)
+    assert buf.stats()["tokens"] == 20
+    with pytest.raises(CapacityError, match="can never fit"):
+        buf.push([traj("huge", tokens=26)])
+
+
+def test_new_groups_wait_so_pending_groups_can_complete():
+    # room for 3 trajectories, groups of 2: once "a" is pending, a second group would need 2 more slots
+    buf = make(group_size=2, capacity_trajectories=3)
+    res = buf.push([traj("a", 0), traj("b", 0)])
+    assert (res.accepted, res.full) == (1, True)
+    assert buf.push([traj("a", 1)]).accepted == 1  # the promised slot is there
+    assert buf.push([traj("b", 0)]).full  # 2 stored + 2 for "b" > 3
+    buf.sample_wire(2, 0)
+    assert buf.push([traj("b", 0), traj("b", 1)]).accepted == 2
+    assert buf.stats()["ready_groups"] == 1
+
+
+def test_token_promises_follow_the_mean_member_length():
+    buf = make(group_size=2, capacity_tokens=40)
+    assert buf.push([traj("a", 0, tokens=10)]).accepted == 1  # promises 10 more tokens to "a"
+    assert buf.push([traj("b", 0, tokens=11)]).full  # 20 + 2 * 11 > 40
+    assert buf.push([traj("b", 0, tokens=10)]).accepted == 1  # 20 + 2 * 10 = 40
+    assert buf.push([traj("a", 1, tokens=10), traj("b", 1, tokens=10)]).accepted == 2
+
+
+def test_invalid_records_are_refused_whole():
+    buf = make(group_size=2)
+    with pytest.raises(RecordError):
+        buf.push([traj("a", 0), b"\x93garbage"])
+    with pytest.raises(RecordError, match="no meta.group_id"):
+        buf.push([traj("", 0)])
+    assert len(buf) == 0
+
+
+def test_stats_report_sizes_and_age():
+    clock = Clock()
+    buf = make(group_size=2, clock=clock)
+    buf.push([traj("a", 0, tokens=6)])
+    clock.now += 3
+    buf.push([traj("b", 0, tokens=4), traj("b", 1, tokens=4)])
+    clock.now += 2
+    s = buf.stats()
+    assert (s["size"], s["tokens"], s["ready_groups"], s["pending_groups"]) == (3, 14, 1, 1)
+    assert s["oldest_age_s"] == pytest.approx(5.0)
+    assert (s["pushed"], s["sampled"], s["evicted_total"]) == (3, 0, 0)
+
+
+# -------------------------------------------------------------------------------------------------- snapshots
+def filled(clock: Clock) -> ReplayBuffer:
+    buf = make(group_size=2, clock=clock, max_staleness=3)
+    buf.push([traj("a", 0, version=1), traj("a", 1, version=1), traj("b", 0), traj("c", 0), traj("c", 1)])
+    buf.reject(["d"])
+    buf.sample_wire(2, 1)  # consumes a
+    return buf
+
+
+def test_snapshot_round_trip(tmp_path):
+    clock = Clock()
+    buf = filled(clock)
+    path = buf.snapshot(tmp_path / "buf.snap", extra={"note": "hi"})
+    back, extra = ReplayBuffer.restore(path, buf.config, 2, clock=clock)
+    assert extra == {"note": "hi"}
+    assert back.stats() == buf.stats()
+    # pending groups and rejections survive: "b" completes, "d" is short by one and completes with one member
+    for b in (buf, back):
+        b.push([traj("b", 1), traj("d", 0)])
+    assert ids(back.sample_wire(6, 1)) == ids(buf.sample_wire(6, 1)) == ["c/0", "c/1", "b/0", "b/1", "d/0"]
+
+
+def test_snapshot_refuses_a_different_group_size(tmp_path):
+    path = filled(Clock()).snapshot(tmp_path / "buf.snap")
+    with pytest.raises(SnapshotError, match="group_size=2, this run has 3"):
+        ReplayBuffer.restore(path, BufferConfig(), 3)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: d[: len(d) // 2], "truncated"),
+        (lambda d: d[:-1], "truncated"),
+        (lambda d: d[:100] + bytes([d[100] ^ 0xFF]) + d[101:], "checksum mismatch"),
+        (lambda d: b"PK\x03\x04" + d[4:], "not a replay buffer snapshot"),
+        (lambda d: d[:5], "not a replay buffer snapshot"),
+    ],
+)
+def test_corrupt_snapshot_is_refused_naming_the_file(tmp_path, damage, message):
+    path = filled(Clock()).snapshot(tmp_path / "buf.snap")
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(SnapshotError, match=message) as err:
+        ReplayBuffer.restore(path, BufferConfig(), 2)
+    assert str(path) in str(err.value)
+
+
+def test_missing_snapshot_names_the_file(tmp_path):
+    with pytest.raises(SnapshotError, match="nowhere.snap"):
+        ReplayBuffer.restore(tmp_path / "nowhere.snap", BufferConfig(), 2)
+
+
+# ---------------------------------------------------------------------------------------------- random traffic
+@settings(max_examples=80, deadline=None)
+@given(
+    group_size=st.integers(1, 4),
+    cap=st.integers(4, 16),
+    policy=st.sampled_from(["wait", "release", "drop"]),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("push"), st.integers(0, 7), st.integers(0, 3)),  # group, version
+            st.tuples(st.just("reject"), st.integers(0, 7)),
+            st.tuples(st.just("sample"), st.integers(1, 3), st.integers(0, 5)),  # groups, learner version
+            st.tuples(st.just("tick"), st.floats(0, 6)),
+        ),
+        max_size=120,
+    ),
+)
+def test_random_traffic_keeps_groups_whole_memory_bounded_and_nothing_lost(group_size, cap, policy, ops):
+    clock = Clock()
+    cfg = BufferConfig(
+        max_staleness=1, capacity_trajectories=cap, capacity_tokens=6 * cap, partial_groups=policy,
+        partial_group_timeout_s=10,
+    )
+    evictions: list[int] = []
+    buf = ReplayBuffer(cfg, group_size, clock=clock, on_evict=evictions.append)
+    # group ids are reused for a new prompt once every member of the previous one was pushed or rejected
+    generation = {g: 0 for g in range(8)}
+    arrived = {g: 0 for g in range(8)}
+    rejected = {g: 0 for g in range(8)}
+    expected_size: dict[str, int] = {}
+
+    def settle(g: int) -> None:
+        if arrived[g] + rejected[g] >= group_size:
+            expected_size[f"{g}.{generation[g]}"] = arrived[g]
+            generation[g], arrived[g], rejected[g] = generation[g] + 1, 0, 0
+
+    for op in ops:
+        if op[0] == "push":
+            g = op[1]
+            if buf.push([traj(f"{g}.{generation[g]}", arrived[g], version=op[2])]).accepted:
+                arrived[g] += 1
+                settle(g)
+        elif op[0] == "reject":
+            g = op[1]
+            buf.reject([f"{g}.{generation[g]}"])
+            rejected[g] += 1
+            settle(g)
+        elif op[0] == "sample":
+            got = buf.sample_wire(op[1] * group_size, op[2])
+            if got is not None:
+                trajs = [Trajectory.decode(b) for b in got]
+                runs = [t.meta.group_id for t in trajs]
+                # whole groups, members adjacent, no group twice
+                starts = [gid for i, gid in enumerate(runs) if i == 0 or runs[i - 1] != gid]
+                assert len(starts) == len(set(starts)) == op[1]
+                if policy == "wait":  # nothing is released early: every group has all its non-rejected members
+                    assert all(runs.count(gid) == expected_size[gid] for gid in starts)
+                assert all(op[2] - t.min_version <= 1 for t in trajs)
+        else:
+            clock.now += op[1]
+        s = buf.stats()
+        assert s["size"] <= cap and s["tokens"] <= 6 * cap
+        assert s["pushed"] == s["sampled"] + s["evicted_total"] + s["size"]
+        assert sum(evictions) == s["evicted_total"]
