@@ -1,0 +1,111 @@
+"""``retriever`` commands: ``serve`` (a Search-R1-compatible server) and ``index`` (build and save an index).
+
+``register(subparsers)`` adds them to the project CLI; each parsed command carries ``func(args) -> int``.
+``python -m async_agent_rl.retriever serve ...`` runs the same commands on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+
+from async_agent_rl.config import RetrieverConfig, RetrieverLimits
+from async_agent_rl.data.corpus import CorpusError, read_corpus
+from async_agent_rl.retriever.backends import open_backend
+from async_agent_rl.retriever.server import serve_until_signalled
+
+logger = logging.getLogger(__name__)
+
+_DEFAULTS = RetrieverConfig()
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``retriever`` command with ``serve`` and ``index`` subcommands."""
+    parser = subparsers.add_parser("retriever", help="the search tool: serve a corpus, build an index")
+    sub = parser.add_subparsers(dest="retriever_command", required=True)
+
+    serve = sub.add_parser("serve", help="serve POST /retrieve (Search-R1 protocol), /health and /metrics")
+    serve.add_argument("--corpus", required=True, help="JSONL corpus ({id, contents} per line)")
+    serve.add_argument("--index", default=None, help="index dir: loaded if it holds one, else built and saved there")
+    serve.add_argument("--backend", choices=["bm25", "dense"], default=_DEFAULTS.backend)
+    serve.add_argument("--dense-model", default=None, help="sentence-transformers model folder (dense backend)")
+    serve.add_argument("--host", default=_DEFAULTS.host, help="bind address (default loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="0 = a free port (printed on start)")
+    serve.add_argument("--topk", type=int, default=_DEFAULTS.topk, help="default topk for requests without one")
+    serve.add_argument(
+        "--batch-window-ms", type=float, default=_DEFAULTS.batch_window_ms, help="coalescing window (0 = no batching)"
+    )
+    serve.add_argument("--max-batch-queries", type=int, default=_DEFAULTS.max_batch_queries)
+    limits = _DEFAULTS.limits
+    serve.add_argument("--max-queries-per-request", type=int, default=limits.max_queries_per_request)
+    serve.add_argument("--max-query-chars", type=int, default=limits.max_query_chars)
+    serve.add_argument("--max-topk", type=int, default=limits.max_topk)
+    serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
+    serve.set_defaults(func=cmd_serve)
+
+    index = sub.add_parser("index", help="build an index for a corpus and save it")
+    index.add_argument("--corpus", required=True)
+    index.add_argument("--out", required=True, help="index directory to write")
+    index.add_argument("--backend", choices=["bm25", "dense"], default="bm25")
+    index.add_argument("--dense-model", default=None, help="sentence-transformers model folder (dense backend)")
+    index.set_defaults(func=cmd_index)
+    return parser
+
+
+def _config_from_args(args: argparse.Namespace) -> RetrieverConfig:
+    return RetrieverConfig(
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        index_dir=args.index,
+        dense_model=args.dense_model,
+        topk=args.topk,
+        batch_window_ms=args.batch_window_ms,
+        max_batch_queries=args.max_batch_queries,
+        limits=RetrieverLimits(
+            max_queries_per_request=args.max_queries_per_request,
+            max_query_chars=args.max_query_chars,
+            max_topk=args.max_topk,
+            max_body_bytes=args.max_body_bytes,
+        ),
+    )
+
+
+def _read_nonempty(path: str):
+    passages = read_corpus(path)
+    if not passages:
+        raise CorpusError(f"corpus {path} has no passages: nothing to serve")
+    return passages
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _config_from_args(args)
+    start = time.perf_counter()
+    passages = _read_nonempty(args.corpus)
+    backend = open_backend(config.backend, passages, config.index_dir, config.dense_model)
+    logger.info("loaded %d passages and a %s index in %.1f s", len(passages), config.backend, time.perf_counter() - start)
+    asyncio.run(serve_until_signalled(backend, config, f"({len(passages)} passages, {config.backend})"))
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    passages = _read_nonempty(args.corpus)
+    open_backend(args.backend, passages, args.out, args.dense_model)
+    print(f"indexed {len(passages)} passages ({args.backend}) into {args.out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m async_agent_rl.retriever serve|index ...`` (the project CLI's ``retriever``)."""
+    parser = argparse.ArgumentParser(prog="async-agent-rl")
+    register(parser.add_subparsers(dest="command", required=True))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parser.parse_args(["retriever", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except (CorpusError, ImportError, ValueError) as e:
+        parser.exit(2, f"error: {e}\n")

@@ -1,0 +1,496 @@
+"""A Search-R1-compatible retrieval server (aiohttp) with server-side batching, limits and Prometheus metrics.
+
+Protocol (Search-R1 ``retrieval_server.py``; their own client and verl's search tool work unchanged):
+
+- ``POST /retrieve`` with ``{"queries": [str, ...], "topk": int|null, "return_scores": bool}``. A missing, null or 0
+  ``topk`` means the server default (``RetrieverConfig.topk``, 3); ``return_scores`` defaults to false; other keys are
+  ignored. Reply ``{"result": [[{"document": {"id", "contents"}, "score": float}, ...], ...]}``: one list per query,
+  in request order, best first, at most ``topk`` hits (fewer, even none, is legal). With ``return_scores=false``
+  each inner list holds the plain documents. JSON is written like Starlette's (UTF-8, compact separators).
+- ``GET /health`` -> ``{"status": "ok", "backend": ...}``; ``GET /metrics`` -> Prometheus text format.
+- Errors are JSON ``{"error": "..."}`` naming the problem: 400 for malformed JSON, wrong types and a ``topk`` over the
+  cap; 413 for a body, a query count or a query length over the caps (``RetrieverConfig.limits``); 500 if the backend
+  fails. No request can crash the server.
+
+Batching: with ``batch_window_ms > 0`` the queries of concurrent requests are coalesced into one backend call, up to
+``max_batch_queries`` queries per call. A call waits at most the window after the first query arrives (less once the
+batch is full), and only one call runs at a time, so under load the batch grows to whatever arrived during the
+previous call. Backend calls run in a worker thread so the event loop keeps accepting requests. ``0`` turns batching
+off: every request makes its own backend call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+from async_agent_rl.config import RetrieverConfig, RetrieverLimits
+from async_agent_rl.retriever.backends import Hit, SearchBackend
+
+logger = logging.getLogger(__name__)
+
+# Metric names, defined once.
+REQUESTS = "retriever_requests"  # counter, label code
+QUERIES = "retriever_queries"  # counter
+BATCH_QUERIES = "retriever_batch_queries"  # histogram: queries per backend call
+REQUEST_LATENCY = "retriever_request_latency_seconds"  # histogram
+BACKEND_LATENCY = "retriever_backend_latency_seconds"  # histogram: one backend call
+ERRORS = "retriever_errors"  # counter, label kind
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics, in their own registry (one per server, so tests can run several)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(REQUESTS, "HTTP requests to /retrieve by status code", ["code"], registry=r)
+        self.queries = Counter(QUERIES, "queries answered", registry=r)
+        self.batch_queries = Histogram(BATCH_QUERIES, "queries per backend call", buckets=BATCH_BUCKETS, registry=r)
+        self.request_latency = Histogram(
+            REQUEST_LATENCY, "time from request to reply for /retrieve", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.backend_latency = Histogram(
+            BACKEND_LATENCY, "duration of one backend search call", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.errors = Counter(ERRORS, "failed /retrieve requests by kind", ["kind"], registry=r)
+
+
+# ------------------------------------------------------------------------------------------------ request parsing
+class RequestError(Exception):
+    """A bad request: HTTP ``status``, a message for the client, and a metric ``kind``."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RetrieveRequest:
+    queries: list[str]
+    topk: int
+    return_scores: bool
+
+
+def parse_retrieve_request(body: bytes, default_topk: int, limits: RetrieverLimits) -> RetrieveRequest:
+    """Validate a ``/retrieve`` body (already within the size cap); raises :class:`RequestError`."""
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(400, "malformed_json", f"request body is not valid JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise RequestError(400, "bad_type", f"request body must be a JSON object, got {type(payload).__name__}")
+    queries = payload.get("queries")
+    if not isinstance(queries, list):
+        raise RequestError(400, "bad_type", f"'queries' must be a list of strings, got {type(queries).__name__}")
+    if len(queries) > limits.max_queries_per_request:
+        raise RequestError(
+            413, "too_many_queries",
+            f"{len(queries)} queries in one request exceed the limit of {limits.max_queries_per_request}",
+        )
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise RequestError(400, "bad_type", f"queries[{i}] must be a string, got {type(q).__name__}")
+        if len(q) > limits.max_query_chars:
+            raise RequestError(
+                413, "query_too_long", f"queries[{i}] has {len(q)} characters, over the limit of {limits.max_query_chars}"
+            )
+    topk = payload.get("topk")
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int)):
+        raise RequestError(400, "bad_type", f"'topk' must be an integer or null, got {type(topk).__name__}")
+    if topk is not None and topk < 0:
+        raise RequestError(400, "bad_value", f"'topk' must be >= 0, got {topk}")
+    topk = topk or default_topk  # Search-R1: a missing, null or 0 topk means the server default
+    if topk > limits.max_topk:
+        raise RequestError(400, "topk_too_large", f"'topk' {topk} exceeds the limit of {limits.max_topk}")
+    return_scores = payload.get("return_scores", False)
+    if not isinstance(return_scores, bool):
+        raise RequestError(400, "bad_type", f"'return_scores' must be a boolean, got {type(return_scores).__name__}")
+    return RetrieveRequest(queries, topk, return_scores)
+
+
+def format_result(hits: list[list[Hit]], return_scores: bool) -> dict[str, Any]:
+    """The ``/retrieve`` reply for per-query hit lists."""
+    def document(h: Hit) -> dict[str, str]:
+        return {"id": h.id, "contents": h.contents}
+
+    if return_scores:
+        return {"result": [[{"document": document(h), "score": h.score} for h in row] for row in hits]}
+    return {"result": [[document(h) for h in row] for row in hits]}
+
+
+def _dumps(obj: Any) -> str:
+    # Byte-compatible with Starlette's JSONResponse, which Search-R1's FastAPI server uses.
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status, dumps=_dumps)
+
+
+# ------------------------------------------------------------------------------------------------------- batching
+@dataclass
+class _Pending:
+    queries: list[str]
+    topk: int
+    future: asyncio.Future = field(repr=False)
+
+
+class QueryBatcher:
+    """Turns concurrent ``search`` calls into few backend calls (see the module docstring for the policy)."""
+
+    def __init__(
+        self,
+        backend: SearchBackend,
+        executor: ThreadPoolExecutor,
+        metrics: ServerMetrics,
+        window_s: float,
+        max_batch_queries: int,
+    ):
+        self.backend = backend
+        self.executor = executor
+        self.metrics = metrics
+        self.window_s = window_s
+        self.max_batch_queries = max_batch_queries
+        self._pending: list[_Pending] = []
+        self._pending_queries = 0
+        self._arrived = asyncio.Event()
+        self._full = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self.window_s > 0:
+            self._task = asyncio.create_task(self._run(), name="retriever-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for p in self._pending:
+            if not p.future.done():
+                p.future.set_exception(RuntimeError("retrieval server is shutting down"))
+
+    async def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        if not queries:
+            return []
+        if self._task is None:
+            return await self._call(queries, topk)
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(queries, topk, future))
+        self._pending_queries += len(queries)
+        self._arrived.set()
+        if self._pending_queries >= self.max_batch_queries:
+            self._full.set()
+        return await future
+
+    async def _call(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.executor, self.backend.search, queries, topk)
+        finally:
+            self.metrics.batch_queries.observe(len(queries))
+            self.metrics.backend_latency.observe(time.perf_counter() - start)
+
+    def _take_batch(self) -> list[_Pending]:
+        """Pop whole requests, oldest first, up to ``max_batch_queries`` queries (always at least one request)."""
+        batch, n = [], 0
+        while self._pending and (not batch or n + len(self._pending[0].queries) <= self.max_batch_queries):
+            item = self._pending.pop(0)
+            batch.append(item)
+            n += len(item.queries)
+        self._pending_queries -= n
+        if self._pending_queries < self.max_batch_queries:
+            self._full.clear()
+        if not self._pending:
+            self._arrived.clear()
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            await self._arrived.wait()
+            if not self._full.is_set():
+                try:
+                    await asyncio.wait_for(self._full.wait(), self.window_s)
+                except asyncio.TimeoutError:
+                    pass
+            batch = self._take_batch()
+            queries = [q for item in batch for q in item.queries]
+            # One call at the largest topk; every request keeps its own best-first prefix.
+            topk = max(item.topk for item in batch)
+            try:
+                hits = await self._call(queries, topk)
+            except Exception as e:  # the backend failed: every request in the batch gets the error
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(e)
+                continue
+            offset = 0
+            for item in batch:
+                rows = hits[offset : offset + len(item.queries)]
+                offset += len(item.queries)
+                if not item.future.done():  # a request whose client went away is cancelled
+                    item.future.set_result([row[: item.topk] for row in rows])
+
+
+# ------------------------------------------------------------------------------------------------------------ app
+BATCHER_KEY = web.AppKey("batcher", QueryBatcher)
+METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+
+
+def create_app(
+    backend: SearchBackend,
+    config: RetrieverConfig | None = None,
+    metrics: ServerMetrics | None = None,
+    backend_threads: int = 1,
+) -> web.Application:
+    """The aiohttp application for ``backend`` with ``config``'s default topk, batching and limits.
+
+    ``backend_threads`` is the number of worker threads for backend calls (with batching on, one call runs at a
+    time anyway).
+    """
+    config = config if config is not None else RetrieverConfig()
+    metrics = metrics if metrics is not None else ServerMetrics()
+    limits = config.limits
+    backend_name = getattr(backend, "name", type(backend).__name__)
+    executor = ThreadPoolExecutor(max_workers=backend_threads, thread_name_prefix="retriever-backend")
+    batcher = QueryBatcher(backend, executor, metrics, config.batch_window_ms / 1000.0, config.max_batch_queries)
+
+    async def retrieve(request: web.Request) -> web.Response:
+        start = time.perf_counter()
+        try:
+            if request.content_length is not None and request.content_length > limits.max_body_bytes:
+                raise RequestError(
+                    413, "body_too_large",
+                    f"request body of {request.content_length} bytes exceeds the limit of {limits.max_body_bytes}",
+                )
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise RequestError(
+                    413, "body_too_large", f"request body exceeds the limit of {limits.max_body_bytes} bytes"
+                ) from None
+            req = parse_retrieve_request(body, config.topk, limits)
+            hits = await batcher.search(req.queries, req.topk)
+            response = web.Response(
+                text=_dumps(format_result(hits, req.return_scores)), content_type="application/json"
+            )
+            metrics.queries.inc(len(req.queries))
+        except RequestError as e:
+            metrics.errors.labels(e.kind).inc()
+            response = _error(e.status, e.message)
+        except Exception as e:  # never let one request take the server down
+            logger.exception("retrieve failed")
+            metrics.errors.labels("backend").inc()
+            response = _error(500, f"search backend failed: {type(e).__name__}: {e}")
+        metrics.requests.labels(str(response.status)).inc()
+        metrics.request_latency.observe(time.perf_counter() - start)
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "backend": backend_name}, dumps=_dumps)
+
+    async def prometheus(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    @web.middleware
+    async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+        """aiohttp's own 404/405/... answers as JSON errors too."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            metrics.errors.labels("http").inc()
+            return _error(e.status, f"{e.reason}: {request.method} {request.path}")
+
+    async def on_startup(app: web.Application) -> None:
+        batcher.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await batcher.stop()
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    # aiohttp enforces the body cap itself for bodies without a Content-Length (chunked uploads).
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[json_errors])
+    app[BATCHER_KEY] = batcher
+    app[METRICS_KEY] = metrics
+    app.router.add_post("/retrieve", retrieve)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", prometheus)
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+# ------------------------------------------------------------------------------------------------------- running
+@asynccontextmanager
+async def serve(
+    backend: SearchBackend, config: RetrieverConfig | None = None, **app_kwargs: Any
+) -> AsyncIterator[str]:
+    """Run the server on ``config.host:config.port`` (port 0 = a free port) in the current loop; yields its URL.
+
+    ``async with serve(backend, cfg) as url: ...`` then POST to ``f"{url}/retrieve"``.
+    """
+    config = config if config is not None else RetrieverConfig()
+    runner = web.AppRunner(create_app(backend, config, **app_kwargs), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port, backlog=2048)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+class ServerThread:
+    """A server running its own event loop in a daemon thread; ``url``, ``stop()``, and a context manager."""
+
+    def __init__(self, backend: SearchBackend, config: RetrieverConfig | None = None, **app_kwargs: Any):
+        self.url = ""
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._main(backend, config, app_kwargs),), name="retriever-server", daemon=True
+        )
+
+    async def _main(self, backend: SearchBackend, config: RetrieverConfig | None, app_kwargs: dict) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            async with serve(backend, config, **app_kwargs) as url:
+                self.url = url
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+
+    def start(self, timeout_s: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"retrieval server did not start within {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> "ServerThread":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_server_in_thread(
+    backend: SearchBackend, config: RetrieverConfig | None = None, **app_kwargs: Any
+) -> ServerThread:
+    """Start a server in a background thread and return it once it listens (``.url``; ``.stop()`` when done)."""
+    return ServerThread(backend, config, **app_kwargs).start()
+
+
+async def serve_until_signalled(backend: SearchBackend, config: RetrieverConfig, announce: str = "") -> None:
+    """Serve until SIGINT/SIGTERM; print ``retriever listening on URL`` (flushed) once listening."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with serve(backend, config) as url:
+        print(f"retriever listening on {url} {announce}".rstrip(), flush=True)
+        await stop.wait()
+
+
+# --------------------------------------------------------------------------------------------------- subprocess
+_LISTENING = re.compile(r"retriever listening on (http://\S+)")
+
+
+class ServerProcess:
+    """A ``retriever serve`` child process; ``url`` once it listens, ``stop()`` terminates it."""
+
+    def __init__(self, argv: list[str], timeout_s: float = 120.0):
+        self.argv = argv
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        lines: Queue[str | None] = Queue()
+
+        def pump() -> None:  # keep draining stdout so the child never blocks on a full pipe
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, name="retriever-stdout", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Empty:
+                self.stop()
+                raise TimeoutError(f"retrieval server did not start within {timeout_s} s: {' '.join(argv)}") from None
+            if line is None:
+                code = self.proc.wait()
+                raise RuntimeError(f"retrieval server exited with code {code} before listening: {' '.join(argv)}")
+            match = _LISTENING.search(line)
+            if match:
+                self.url = match.group(1)
+                return
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def spawn_server(corpus: str | Path, config: RetrieverConfig | None = None, timeout_s: float = 120.0) -> ServerProcess:
+    """Run ``python -m async_agent_rl.retriever serve`` for ``corpus`` with every setting of ``config``."""
+    c = config if config is not None else RetrieverConfig()
+    argv = [
+        sys.executable, "-m", "async_agent_rl.retriever", "serve", "--corpus", str(corpus),
+        "--backend", c.backend, "--host", c.host, "--port", str(c.port), "--topk", str(c.topk),
+        "--batch-window-ms", str(c.batch_window_ms), "--max-batch-queries", str(c.max_batch_queries),
+        "--max-queries-per-request", str(c.limits.max_queries_per_request),
+        "--max-query-chars", str(c.limits.max_query_chars), "--max-topk", str(c.limits.max_topk),
+        "--max-body-bytes", str(c.limits.max_body_bytes),
+    ]  # fmt: skip
+    if c.index_dir is not None:
+        argv += ["--index", c.index_dir]
+    if c.dense_model is not None:
+        argv += ["--dense-model", c.dense_model]
+    return ServerProcess(argv, timeout_s)
