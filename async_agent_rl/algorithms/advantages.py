@@ -80,7 +80,7 @@ def sequence_scores(token_level_rewards: Tensor, response_mask: Tensor) -> Tenso
 def _on_actions(per_sequence: Tensor, response_mask: Tensor) -> Tensor:
     """Broadcast ``(B,)`` to every action token of its row; ``(B, T)`` with zeros elsewhere."""
     mask = response_mask.bool()
-    return torch.where(mask, per_sequence.unsqueeze(-1).expand(mask.shape), torch.zeros((), dtype=per_sequence.dtype))
+    return torch.where(mask, per_sequence.unsqueeze(-1).expand(mask.shape), per_sequence.new_zeros(()))
 
 
 # --------------------------------------------------------------------------------------- group-relative scores

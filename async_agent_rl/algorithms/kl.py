@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
+import torch
 from torch import Tensor
 
 from async_agent_rl.algorithms._registry import lookup
@@ -46,7 +47,8 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """Low-variance ``exp(ref - lp) - (ref - lp) - 1``, clamped to [-10, 10]. ``(B, T), (B, T)`` -> ``(B, T)``."""
     log_ratio = (ref_logprobs - logprobs).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
-    return (log_ratio.exp() - log_ratio - 1).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+    # expm1: exp(x) - 1 - x rounds to tiny negatives near x = 0, expm1(x) - x does not
+    return (torch.expm1(log_ratio) - log_ratio).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
 
 
 KL_ESTIMATORS: Mapping[str, KLEstimator] = {"k1": kl_k1, "abs": kl_abs, "k2": kl_k2, "k3": kl_k3}

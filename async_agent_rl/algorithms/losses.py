@@ -121,7 +121,7 @@ def _log_ratio(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
 
 def _approx_kl(log_ratio: Tensor, mask: Tensor) -> Tensor:
     """KL(anchor || live) by k3 on ``log_ratio = logprobs - anchor``: mean of ``(r - 1) - log r`` (CleanRL)."""
-    return masked_mean((log_ratio.exp() - 1) - log_ratio, mask).detach()
+    return masked_mean(torch.expm1(log_ratio) - log_ratio, mask).detach()
 
 
 def _clip_metrics(clipped: Tensor, dual_clipped: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
