@@ -184,5 +184,7 @@ class SearchClient:
             reply = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             # A cut-off body from a crashing server looks like this; asking again may succeed.
-            raise SearchError("bad_reply", f"{self.url} sent a reply that is not JSON: {e}", status, True) from None
+            raise SearchError(
+                "bad_reply", f"{self.url} sent a reply that is not JSON: {e}", status=status, retryable=True
+            ) from None
         return parse_reply(reply, num_queries)
