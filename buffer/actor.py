@@ -1,0 +1,165 @@
+"""The replay buffer as a Ray actor: a thin shell around ``ReplayBuffer`` and ``AdmissionState``.
+
+Protocol for a rollout actor (every call carries a batch; an actor round trip costs ~0.5 ms):
+
+1. ``n = try_start(k, version)`` with ``version`` the policy version of its engine's weights; start ``n`` episodes
+   (whole groups; 0 means wait and ask again).
+2. ``push_all(actor, blobs)`` / ``await push_all_async(actor, blobs)`` for the finished ones (wire bytes); these
+   resend the refused rest while the buffer reports ``full``.
+3. ``reject(group_ids)`` for episodes thrown away (one group id per episode), so the slot is freed and the group
+   does not wait for them.
+
+The learner calls ``sample(batch_size, version)`` (wire bytes) or ``sample_batch(...)`` (a packed ``TrainBatch``).
+Create the actor with ``create_buffer_actor(cfg)``: its resources come from ``cluster.buffer_cpus``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import ray
+
+from async_agent_rl.batch import TrainBatch, pack_batch
+from async_agent_rl.config import BufferConfig, Config
+from async_agent_rl.records import Trajectory
+from async_agent_rl.staleness import AdmissionError, AdmissionState
+from buffer.replay_buffer import PushResult, ReplayBuffer, SnapshotError
+
+SNAPSHOT_FILE = "replay_buffer.snapshot"
+
+
+class BufferActor:
+    """``consumed_per_version``: trajectories the learner consumes per policy version (``learner.batch_size *
+    weight_sync.every_steps``); ``max_concurrent``: episodes in flight over all rollout actors."""
+
+    def __init__(self, config: BufferConfig, *, group_size: int, consumed_per_version: int, max_concurrent: int):
+        self.config = config
+        self.group_size = group_size
+        self._admission_args = dict(
+            max_staleness=config.max_staleness,
+            batch_size=consumed_per_version,
+            max_concurrent=max_concurrent,
+            granule=group_size,
+        )
+        self.admission = AdmissionState(**self._admission_args)
+        self.buffer = ReplayBuffer(config, group_size, on_evict=self._on_evict)
+        self._samples = 0
+
+    def _on_evict(self, n: int) -> None:
+        self.admission.on_evicted(n)
+
+    # ---------------------------------------------------------------------------------------- rollout actors
+    def try_start(self, n: int, version: int) -> int:
+        return self.admission.try_start(n, version)
+
+    def push_many(self, blobs: Sequence[bytes]) -> PushResult:
+        if len(blobs) > self.admission.running:
+            raise AdmissionError(
+                f"push of {len(blobs)} trajectories but only {self.admission.running} episodes were started "
+                "(call try_start first)"
+            )
+        result = self.buffer.push(blobs)
+        self.admission.on_finished(result.accepted, accepted=True)
+        return result
+
+    def reject(self, group_ids: Sequence[str]) -> None:
+        self.admission.on_finished(len(group_ids), accepted=False)
+        self.buffer.reject(group_ids)
+
+    # ------------------------------------------------------------------------------------------------ learner
+    def sample(self, batch_size: int, learner_version: int) -> Optional[list[bytes]]:
+        blobs = self.buffer.sample_wire(batch_size, learner_version)
+        if blobs is not None:
+            self._samples += 1
+            every = self.config.snapshot_every_steps
+            if self.config.snapshot_dir and every and self._samples % every == 0:
+                self.snapshot()
+        return blobs
+
+    def sample_batch(
+        self, batch_size: int, learner_version: int, pad_id: int, pad_to_multiple_of: int = 1
+    ) -> Optional[TrainBatch]:
+        blobs = self.sample(batch_size, learner_version)
+        if blobs is None:
+            return None
+        return pack_batch([Trajectory.decode(b) for b in blobs], pad_id, pad_to_multiple_of)
+
+    # ---------------------------------------------------------------------------------------- monitoring, disk
+    def stats(self) -> dict[str, Any]:
+        return {**self.buffer.stats(), "admission": self.admission.counters()}
+
+    def _path(self, path: Optional[str]) -> Path:
+        if path is not None:
+            return Path(path)
+        if not self.config.snapshot_dir:
+            raise SnapshotError("no snapshot path given and buffer.snapshot_dir is not set")
+        return Path(self.config.snapshot_dir) / SNAPSHOT_FILE
+
+    def snapshot(self, path: Optional[str] = None) -> str:
+        """Write the buffer and the admission counters; returns the file written."""
+        return str(self.buffer.snapshot(self._path(path), extra={"admission": self.admission.counters()}))
+
+    def restore(self, path: Optional[str] = None) -> dict[str, Any]:
+        """Replace the state with a snapshot's (raises ``SnapshotError`` naming the file); returns ``stats()``.
+        Episodes that were running when the snapshot was taken count as rejected."""
+        buffer, extra = ReplayBuffer.restore(self._path(path), self.config, self.group_size, on_evict=self._on_evict)
+        try:
+            admission = AdmissionState.resumed(extra["admission"], **self._admission_args)
+        except (KeyError, TypeError, ValueError) as e:
+            raise SnapshotError(f"snapshot {self._path(path)} has no valid admission counters: {e!r}") from None
+        self.buffer, self.admission = buffer, admission
+        return self.stats()
+
+
+def create_buffer_actor(cfg: Config, *, name: Optional[str] = None) -> "ray.actor.ActorHandle":
+    """Start the buffer actor with resources and sizes from ``cfg``."""
+    actor_cls = ray.remote(num_cpus=cfg.cluster.buffer_cpus)(BufferActor)
+    if name is not None:
+        actor_cls = actor_cls.options(name=name)
+    return actor_cls.remote(
+        cfg.buffer,
+        group_size=cfg.rollout.group_size,
+        consumed_per_version=cfg.learner.batch_size * cfg.weight_sync.every_steps,
+        max_concurrent=cfg.rollout.num_actors * cfg.rollout.max_concurrent_episodes,
+    )
+
+
+def push_all(
+    actor: "ray.actor.ActorHandle", blobs: Sequence[bytes], *, poll_s: float = 0.02, timeout_s: Optional[float] = None
+) -> int:
+    """Push ``blobs`` through backpressure: while the buffer is full, wait ``poll_s`` and resend the refused rest.
+    Returns how many times it waited; raises ``TimeoutError`` after ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    rest, waits = list(blobs), 0
+    while rest:
+        result: PushResult = ray.get(actor.push_many.remote(rest))
+        rest = rest[result.accepted :]
+        if rest:
+            _check_deadline(deadline, len(rest), timeout_s)
+            waits += 1
+            time.sleep(poll_s)
+    return waits
+
+
+async def push_all_async(
+    actor: "ray.actor.ActorHandle", blobs: Sequence[bytes], *, poll_s: float = 0.02, timeout_s: Optional[float] = None
+) -> int:
+    """``push_all`` for async callers (rollout actors running an event loop)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    rest, waits = list(blobs), 0
+    while rest:
+        result: PushResult = await actor.push_many.remote(rest)
+        rest = rest[result.accepted :]
+        if rest:
+            _check_deadline(deadline, len(rest), timeout_s)
+            waits += 1
+            await asyncio.sleep(poll_s)
+    return waits
+
+
+def _check_deadline(deadline: Optional[float], left: int, timeout_s: Optional[float]) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(f"replay buffer stayed full for {timeout_s} s; {left} trajectories not pushed")
