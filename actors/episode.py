@@ -1,0 +1,212 @@
+"""One multi-turn search episode, as one async function over an engine and a search client (no Ray inside).
+
+The loop, per turn (Search-R1 semantics, REFERENCE.md sections 1-2)::
+
+    generate one model turn from prompt_ids + response_ids        (stop after </search> or </answer>, stop kept)
+        budget = min(max_tokens_per_turn, response budget left, context left)
+    parse the FIRST <search>q</search> | <answer>a</answer> of the turn
+        answer            -> stop
+        search            -> call the search engine, render Search-R1's <information> block
+        none (invalid)    -> Search-R1's invalid-action observation
+    tokenize the observation ON ITS OWN (the transcript is never re-tokenized), cut it to max_obs_length keeping
+    </information>, append it with loss_mask 0
+
+The episode always ends on a model-generated token: an observation is appended only when another model turn
+follows it and at least ``min_turn_tokens`` of budget and context remain for that turn. A failed search becomes
+an error observation (masked, counted in ``meta.num_search_errors``), never an exception.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from actors.engine import Engine, TurnRequest
+from actors.search_client import SearchError
+from async_agent_rl.config import Config
+from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.prompts import prompt_ids, render_question_prompt
+from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
+from async_agent_rl.retriever.render import INFORMATION_CLOSE, INFORMATION_OPEN, render_information, truncate_observation
+from async_agent_rl.rewards import compute_rewards
+
+_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+INVALID_ACTION_OBSERVATION = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. "
+    "If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n"
+)
+
+
+def parse_action(text: str) -> tuple[str | None, str]:
+    """Search-R1's action: the FIRST ``<search>..</search>`` or ``<answer>..</answer>``; (None, "") if neither."""
+    m = _ACTION.search(text)
+    return (m.group(1), m.group(2).strip()) if m else (None, "")
+
+
+def search_error_observation(err: SearchError) -> str:
+    return f"{INFORMATION_OPEN}Search failed ({err.kind}). No results.{INFORMATION_CLOSE}"
+
+
+class SearchTool(Protocol):
+    """What an episode needs from search: ``await search(query) -> hits`` raising ``SearchError`` on failure."""
+
+    async def search(self, query: str) -> Sequence[Any]: ...
+
+
+@dataclass
+class EpisodeSettings:
+    max_turns: int
+    max_tokens_per_turn: int
+    max_response_length: int
+    max_obs_length: int
+    max_model_len: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_turn_tokens: int = 8
+    reward_terms: list[tuple[str, float]] = field(default_factory=lambda: [("exact_match", 1.0)])
+    prompt_template: str = "search_r1"
+    prompt_from: str = "template"
+    apply_chat_template: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "EpisodeSettings":
+        r = cfg.rollout
+        return cls(
+            max_turns=r.max_turns,
+            max_tokens_per_turn=r.max_tokens_per_turn,
+            max_response_length=r.max_response_length,
+            max_obs_length=r.max_obs_length,
+            max_model_len=cfg.model.max_model_len,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            min_turn_tokens=min(8, r.max_tokens_per_turn),
+            reward_terms=[(t.name, t.weight) for t in cfg.reward.terms],
+            prompt_template=cfg.data.prompt_template,
+            prompt_from=cfg.data.prompt_from,
+            apply_chat_template=cfg.data.apply_chat_template,
+        )
+
+
+class EpisodeRunner:
+    """Runs episodes for one engine + search tool + tokenizer. Stateless between episodes; safe to share across
+    many concurrent asyncio tasks."""
+
+    def __init__(self, engine: Engine, search: SearchTool, tokenizer: Any, settings: EpisodeSettings):
+        self.engine = engine
+        self.search = search
+        self.tokenizer = tokenizer
+        self.s = settings
+        self._closing_ids = self._encode(INFORMATION_CLOSE)
+        self._invalid_ids = self._encode(INVALID_ACTION_OBSERVATION)[: settings.max_obs_length]
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids_for(self, ex: QAExample) -> list[int]:
+        if self.s.prompt_from == "dataset" and ex.prompt_messages:
+            messages = ex.prompt_messages
+        else:
+            messages = [{"role": "user", "content": render_question_prompt(ex.question, self.s.prompt_template)}]
+        return prompt_ids(self.tokenizer, messages, self.s.apply_chat_template)
+
+    async def run(
+        self, ex: QAExample, group_id: str = "", trajectory_id: str = "", seed: int | None = None
+    ) -> Trajectory:
+        s = self.s
+        prompt = self.prompt_ids_for(ex)
+        resp: list[int] = []
+        mask: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        turns: list[TurnSpan] = []
+        texts: list[str] = []  # the response as text, piece by piece (model turns and observations)
+        retrieved: list[str] = []
+        searches = errors = 0
+        finish = "max_turns"
+
+        for turn in range(s.max_turns):
+            response_left = s.max_response_length - len(resp)
+            context_left = s.max_model_len - len(prompt) - len(resp)
+            budget = min(s.max_tokens_per_turn, response_left, context_left)
+            if budget <= 0:
+                finish = "context_limit" if context_left <= 0 else "response_budget"
+                break
+            out = await self.engine.generate(
+                TurnRequest(
+                    prompt_ids=prompt + resp,
+                    max_tokens=budget,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=s.top_k,
+                    seed=None if seed is None else seed * 1000 + turn,
+                )
+            )
+            if out.token_ids:
+                turns.append(TurnSpan("model", len(resp), len(resp) + len(out.token_ids)))
+                resp += out.token_ids
+                mask += [1] * len(out.token_ids)
+                logps += out.logprobs
+                versions += out.versions
+                texts.append(out.text)
+            if out.finish_reason == "abort":
+                finish = "aborted"
+                break
+            action, arg = parse_action(out.text)
+            if action == "answer":
+                finish = "answer"
+                break
+            if turn == s.max_turns - 1:
+                finish = "max_turns"
+                break
+            if action == "search":
+                searches += 1
+                try:
+                    hits = await self.search.search(arg)
+                    retrieved += [h.contents for h in hits]
+                    obs_ids = truncate_observation(
+                        self._encode(render_information(hits)), s.max_obs_length, self._closing_ids
+                    )
+                except SearchError as e:
+                    errors += 1
+                    obs_ids = self._encode(search_error_observation(e))
+            else:
+                obs_ids = self._invalid_ids
+            # An observation must be followed by a model turn: keep room for one.
+            after = len(resp) + len(obs_ids)
+            if (
+                s.max_response_length - after < s.min_turn_tokens
+                or s.max_model_len - len(prompt) - after < s.min_turn_tokens
+            ):
+                finish = "response_budget"
+                break
+            turns.append(TurnSpan("observation", len(resp), after))
+            resp += obs_ids
+            mask += [0] * len(obs_ids)
+            logps += [0.0] * len(obs_ids)
+            versions += [OBS_VERSION] * len(obs_ids)
+            texts.append(self.tokenizer.decode(obs_ids, skip_special_tokens=True))
+
+        if turns and turns[-1].kind == "observation":  # only after an aborted turn: end on a model token
+            cut = turns.pop().start
+            del resp[cut:], mask[cut:], logps[cut:], versions[cut:]
+            texts.pop()
+        response_text = "".join(texts)
+        reward, parts = compute_rewards(s.reward_terms, response_text, ex.gold_answers, retrieved_texts=retrieved)
+        meta = EpisodeMeta(
+            data_source=ex.data_source,
+            question_id=ex.id,
+            group_id=group_id or uuid.uuid4().hex,
+            gold_answers=list(ex.gold_answers),
+            num_searches=searches,
+            num_search_errors=errors,
+            num_turns=sum(t.kind == "model" for t in turns),
+            finish_reason=finish,
+            trajectory_id=trajectory_id or uuid.uuid4().hex,
+        )
+        traj = Trajectory(prompt, resp, mask, logps, versions, turns, reward, parts, meta)
+        return traj.validate()

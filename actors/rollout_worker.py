@@ -1,0 +1,200 @@
+"""The rollout worker: one inference engine, up to K concurrent episodes, no batch-level barrier.
+
+Every episode is its own asyncio task; it moves on the moment its own generation or search returns. A GRPO group
+is ``group_size`` independent episodes of the same prompt sharing a group id (they are not synchronised either:
+the buffer assembles the group). New groups start only when
+
+- the admission callback grants them (the buffer's staleness-aware capacity rule, ``async_agent_rl.staleness``),
+  so the worker never generates what the staleness bound would throw away, and
+- an episode slot is free (``max_concurrent_episodes``).
+
+Finished trajectories go to an async ``sink`` in batches of ``push_batch_size`` (or sooner when no more arrive for
+``flush_after_s``): everything that crosses an actor boundary is batched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Iterator, Sequence
+
+from actors.episode import EpisodeRunner
+from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.records import Trajectory
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[list[Trajectory]], Awaitable[None]]
+Admit = Callable[[int, int], Awaitable[int]]  # (episodes wanted, policy version) -> episodes granted
+Lost = Callable[[list[str]], Awaitable[None]]  # group id of each episode that was started and will never arrive
+
+
+class PromptSource:
+    """Endless shuffled pass over a shard of the dataset (shard ``index`` of ``count``), reshuffled each epoch."""
+
+    def __init__(self, examples: Sequence[QAExample], shard: int = 0, num_shards: int = 1, seed: int = 0):
+        self.examples = [ex for i, ex in enumerate(examples) if i % num_shards == shard]
+        if not self.examples:
+            raise ValueError(f"dataset shard {shard}/{num_shards} is empty ({len(examples)} examples in total)")
+        self._rng = random.Random(seed * 7919 + shard)
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[QAExample]:
+        while True:
+            order = list(self.examples)
+            self._rng.shuffle(order)
+            yield from order
+            self.epoch += 1
+
+
+async def admit_all(n: int, version: int) -> int:
+    """Admission that always grants (standalone rollouts, no staleness bound)."""
+    return n
+
+
+async def ignore_lost(group_ids: list[str]) -> None:
+    return None
+
+
+@dataclass
+class WorkerStats:
+    started: int = 0
+    finished: int = 0
+    failed: int = 0
+    groups_started: int = 0
+    pushed: int = 0
+    generated_tokens: int = 0
+    observation_tokens: int = 0
+    searches: int = 0
+    search_errors: int = 0
+    reward_sum: float = 0.0
+    finish_reasons: Counter = field(default_factory=Counter)
+    started_at: float = field(default_factory=time.monotonic)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("finish_reasons", "started_at")}
+        d["finish_reasons"] = dict(self.finish_reasons)
+        d["elapsed_s"] = time.monotonic() - self.started_at
+        d["running"] = self.started - self.finished - self.failed
+        return d
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        runner: EpisodeRunner,
+        prompts: Iterator[QAExample],
+        sink: Sink,
+        *,
+        group_size: int,
+        max_concurrent: int,
+        push_batch_size: int = 8,
+        admit: Admit = admit_all,
+        on_lost: Lost = ignore_lost,
+        actor_id: str = "",
+        seed: int | None = None,
+        flush_after_s: float = 0.2,
+        admission_poll_s: float = 0.05,
+    ):
+        self.runner = runner
+        self.prompts = iter(prompts)
+        self.sink = sink
+        self.group_size = group_size
+        self.push_batch_size = push_batch_size
+        self.admit = admit
+        self.on_lost = on_lost
+        self.actor_id = actor_id or uuid.uuid4().hex[:8]
+        self.seed = seed
+        self.flush_after_s = flush_after_s
+        self.admission_poll_s = admission_poll_s
+        self.stats = WorkerStats()
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._outbox: asyncio.Queue[Trajectory | None] = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+        self._episode_counter = 0
+
+    # ------------------------------------------------------------------------------------------------ control
+    def stop(self) -> None:
+        """Start no new groups; in-flight episodes finish and are pushed."""
+        self._stop.set()
+
+    async def run(self, num_groups: int | None = None) -> WorkerStats:
+        """Run until ``num_groups`` groups were started (None: until ``stop()``), then drain and flush."""
+        flusher = asyncio.create_task(self._flush_loop())
+        try:
+            while not self._stop.is_set() and (num_groups is None or self.stats.groups_started < num_groups):
+                # the buffer grants whole groups (multiples of group_size) or nothing
+                if await self.admit(self.group_size, self.runner.engine.version) < self.group_size:
+                    await self._wait(self.admission_poll_s)
+                    continue
+                await self._start_group(next(self.prompts))
+            if self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        finally:
+            await self._outbox.put(None)
+            await flusher
+        return self.stats
+
+    async def _wait(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    # ------------------------------------------------------------------------------------------------ episodes
+    async def _start_group(self, ex: QAExample) -> None:
+        group_id = f"{self.actor_id}-{self.stats.groups_started}-{uuid.uuid4().hex[:6]}"
+        self.stats.groups_started += 1
+        for _ in range(self.group_size):
+            await self._slots.acquire()
+            self._episode_counter += 1
+            seed = None if self.seed is None else self.seed * 1_000_003 + self._episode_counter
+            task = asyncio.create_task(self._episode(ex, group_id, seed))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _episode(self, ex: QAExample, group_id: str, seed: int | None) -> None:
+        self.stats.started += 1
+        try:
+            traj = await self.runner.run(ex, group_id=group_id, seed=seed)
+        except Exception:  # an engine failure loses this episode, not the worker; counted, logged, reported
+            self.stats.failed += 1
+            log.exception("episode of group %s failed (question %s)", group_id, ex.id)
+            await self.on_lost([group_id])
+            return
+        finally:
+            self._slots.release()
+        traj.meta.actor_id = self.actor_id
+        s = self.stats
+        s.finished += 1
+        s.generated_tokens += traj.num_generated_tokens
+        s.observation_tokens += len(traj.response_ids) - traj.num_generated_tokens
+        s.searches += traj.meta.num_searches
+        s.search_errors += traj.meta.num_search_errors
+        s.reward_sum += traj.reward
+        s.finish_reasons[traj.meta.finish_reason] += 1
+        await self._outbox.put(traj)
+
+    # ------------------------------------------------------------------------------------------------ pushing
+    async def _flush_loop(self) -> None:
+        batch: list[Trajectory] = []
+        done = False
+        while not done:
+            try:
+                item = await asyncio.wait_for(self._outbox.get(), self.flush_after_s if batch else None)
+            except asyncio.TimeoutError:
+                item = ...
+            if item is None:
+                done = True
+            elif item is not ...:
+                batch.append(item)
+            if batch and (done or item is ... or len(batch) >= self.push_batch_size):
+                await self.sink(batch)
+                self.stats.pushed += len(batch)
+                batch = []

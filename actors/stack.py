@@ -1,0 +1,123 @@
+"""A rollout stack in one process (no Ray): retriever server, engine, search client and episode runner.
+
+Used by the ``rollout`` and ``eval`` commands, the benchmarks and the tests. The retriever is a real server: the
+one at ``retriever.url`` when set, else a ``retriever serve`` child process on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Iterable, Sequence
+
+from actors.engine import Engine, create_engine
+from actors.episode import EpisodeRunner, EpisodeSettings
+from actors.search_client import SearchClient
+from async_agent_rl.config import Config
+from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.records import Trajectory
+from async_agent_rl.rewards import exact_match, f1
+
+
+@contextlib.contextmanager
+def retriever_url(cfg: Config):
+    """Yield the URL of a Search-R1-compatible server: the configured one, or a child process we start."""
+    if cfg.retriever.url:
+        yield cfg.retriever.url
+        return
+    from async_agent_rl.retriever.server import spawn_server
+
+    with spawn_server(cfg.data.corpus_file, cfg.retriever) as server:
+        yield server.url
+
+
+@dataclass
+class Stack:
+    cfg: Config
+    engine: Engine
+    runner: EpisodeRunner
+    search: SearchClient
+    url: str
+
+
+@contextlib.asynccontextmanager
+async def local_stack(cfg: Config, model_path: str | None = None, url: str | None = None) -> AsyncIterator[Stack]:
+    from transformers import AutoTokenizer
+
+    path = model_path or cfg.model.path
+    with contextlib.ExitStack() as sync_stack:
+        if url is None:
+            url = sync_stack.enter_context(retriever_url(cfg))
+        engine = await create_engine(cfg, path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            async with SearchClient(url, cfg.retriever.client, topk=cfg.retriever.topk) as search:
+                runner = EpisodeRunner(engine, search, tokenizer, EpisodeSettings.from_config(cfg))
+                yield Stack(cfg, engine, runner, search, url)
+        finally:
+            await engine.close()
+
+
+async def run_greedy(runner: EpisodeRunner, examples: Sequence[QAExample], concurrency: int = 64) -> list[Trajectory]:
+    """One greedy episode per question (temperature 0), all concurrent up to ``concurrency``."""
+    greedy = dataclasses.replace(runner.s, temperature=0.0)
+    r = EpisodeRunner(runner.engine, runner.search, runner.tokenizer, greedy)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(ex: QAExample) -> Trajectory:
+        async with sem:
+            return await r.run(ex, group_id=f"eval-{ex.id}", trajectory_id=f"eval-{ex.id}")
+
+    return list(await asyncio.gather(*(one(ex) for ex in examples)))
+
+
+def score_episodes(trajs: Iterable[Trajectory], tokenizer) -> dict:
+    """Exact match, F1, searches per question, turns and finish reasons, overall and per data source."""
+    rows: dict[str, list[dict]] = {}
+    for t in trajs:
+        text = tokenizer.decode(t.response_ids, skip_special_tokens=True)
+        row = {
+            "em": exact_match(text, t.meta.gold_answers),
+            "f1": f1(text, t.meta.gold_answers),
+            "searches": t.meta.num_searches,
+            "turns": t.meta.num_turns,
+            "finish": t.meta.finish_reason,
+        }
+        rows.setdefault(t.meta.data_source, []).append(row)
+        rows.setdefault("all", []).append(row)
+
+    def summary(rs: list[dict]) -> dict:
+        n = len(rs)
+        finishes: dict[str, int] = {}
+        for r in rs:
+            finishes[r["finish"]] = finishes.get(r["finish"], 0) + 1
+        return {
+            "n": n,
+            "exact_match": sum(r["em"] for r in rs) / n,
+            "f1": sum(r["f1"] for r in rs) / n,
+            "searches_per_question": sum(r["searches"] for r in rs) / n,
+            "turns_per_question": sum(r["turns"] for r in rs) / n,
+            "finish_reasons": finishes,
+        }
+
+    return {k: summary(v) for k, v in sorted(rows.items())}
+
+
+def write_episodes(path: str | Path, trajs: Iterable[Trajectory], model_path: str) -> int:
+    """JSON lines, one ``Trajectory.to_json()`` per line; ``meta.extra["model"]`` records the tokenizer folder."""
+    n = 0
+    with open(path, "w") as f:
+        for t in trajs:
+            t.meta.extra.setdefault("model", str(model_path))
+            f.write(json.dumps(t.to_json()) + "\n")
+            n += 1
+    return n
+
+
+def read_episodes(path: str | Path) -> list[Trajectory]:
+    with open(path) as f:
+        return [Trajectory.from_json(json.loads(line)) for line in f if line.strip()]
