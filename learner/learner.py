@@ -1,0 +1,515 @@
+"""The learner: importance-corrected PPO on DeepSpeed, one plain class per rank (no Ray here; see ``learner.actor``).
+
+One ``train_step(batch)`` (REFERENCE.md sections 2-3)::
+
+    window     response positions p0..L-1 of the batch (p0 = shortest prompt), loss mask, behavior log-probs
+    no grad    proximal_logprobs  <- policy with the current weights        (skipped for plain ``ppo``)
+               ref_logprobs       <- frozen reference model                  (when ``algorithm.kl_coef > 0``)
+               values             <- critic                                  (``advantage_estimator == "gae"``)
+    targets    advantages, returns <- compute_advantages over the full batch (outcome reward on the last action token)
+    updates    ppo_epochs x mini-batches x micro-batches (gradient accumulation), clipping, AdamW, LR schedule
+
+Three policies, named so everywhere: ``behavior_logprobs`` (recorded by the inference engine when it sampled),
+``proximal_logprobs`` (recomputed here before the update), ``logprobs`` (live, with grad). All are log-probs of the
+sampled token under ``softmax(logits / T)`` with ``T`` the rollout temperature (vLLM's ``processed_logprobs``).
+Alignment: logits at position ``t - 1`` predict token ``t``; every ``(B, T)`` tensor here holds at column ``j`` the
+quantity for token ``p0 + j``, as ``TrainBatch`` columns shifted by ``p0``.
+
+Loss positions: ``batch.loss_mask`` (model-generated tokens). With ``algorithm.mask_observations = False`` (Search-R1's
+ablation) every response token is a loss position, observations included: their behavior log-prob is taken to be the
+proximal one (the engine never sampled them, so there is no behavior policy to correct for) and, for step-wise
+advantages, they belong to the model turn before them.
+
+Exact mini-batch aggregation: a micro-batch's loss is scaled by ``units(micro) * gas * world / units(mini)`` (units =
+loss tokens for ``token-mean``, non-empty sequences for the ``seq-mean-*`` modes); DeepSpeed divides by ``gas`` and
+averages over ranks, so the accumulated gradient is that of the loss aggregated over the whole mini-batch, however it
+is cut into micro-batches and ranks.
+
+Ranks: every rank receives the whole batch and trains on rows ``rank::world_size``; each global mini-batch takes
+``mini_batch_size / world_size`` rows from every rank. Advantages need the whole batch (groups, whitening): values
+are all-gathered, and every rank computes the same advantages.
+
+Policy version: ``version`` counts published updates (``bump_version``); the staleness of a trajectory at
+consumption is ``version - min(token versions)``.
+
+Metrics of ``train_step`` (floats, this rank's rows; losses are the mini-batch aggregates averaged over updates):
+
+=====================  =================================================================================
+key                    meaning
+=====================  =================================================================================
+policy_loss            the policy loss (``POLICY_LOSSES[algorithm.policy_loss]``)
+kl                     KL to the reference (or to the behavior policy without one), ``kl_estimator``
+entropy                entropy of ``softmax(logits / T)`` over loss positions
+value_loss             clipped value loss of the critic (``gae`` only)
+clip_frac              fraction of loss tokens where the PPO clip is active; ``dual_clip_frac`` likewise
+approx_kl              KL(anchor || live) by k3, anchor = proximal (decoupled) or behavior (ppo)
+iw_mean, iw_max        behavior importance weight ``exp(proximal - behavior)`` before the cap (decoupled)
+iw_capped_frac         fraction of loss tokens whose weight was truncated or masked (decoupled)
+behavior_kl            KL(behavior || proximal), staleness plus trainer/inference mismatch (decoupled)
+grad_norm              global gradient norm before clipping, mean over optimizer updates
+critic_grad_norm       the same for the critic (``gae`` only)
+lr                     policy learning rate of this step
+staleness_mean/max     ``version - min token version`` over the batch's trajectories
+reward_mean            mean episode reward of the batch
+advantage_mean         mean advantage over loss positions
+loss_tokens            loss positions in the batch
+step_time_s            wall time of ``train_step``
+tokens_per_s           non-padding tokens of the batch / step_time_s
+step, version          counters after the step
+=====================  =================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from async_agent_rl.algorithms import (
+    agg_loss,
+    clipped_value_loss,
+    compute_advantages,
+    entropy_from_logits,
+    get_policy_loss,
+    kl_penalty,
+    masked_mean,
+    place_outcome_rewards,
+)
+from async_agent_rl.batch import TrainBatch
+from async_agent_rl.config import Config, LearnerConfig
+
+MAX_METRICS = ("iw_max",)  # reduced by max over micro-batches; every other metric by a unit-weighted mean
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """Multiplier of the base LR for learner step ``step`` (0-based); the schedule counts learner steps, as verl.
+
+    Warmup: ``(step + 1) / warmup_steps`` for ``step < warmup_steps``. Then, with
+    ``progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)`` clamped to [0, 1]:
+    ``constant`` 1, ``linear`` ``1 - progress``, ``cosine`` ``(1 + cos(pi * progress)) / 2``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"lr_schedule {schedule!r}; allowed: constant, linear, cosine")
+
+
+def _import_deepspeed(device: str):
+    """Import DeepSpeed for ``device`` and skip the one CPU op training never uses.
+
+    The ``deepspeed_shm_comm`` op serves only DeepSpeed's ``inference_all_reduce`` (AutoTP inference); training
+    all-reduces go through torch.distributed (gloo). Marking it incompatible saves its ~60 s JIT compile at any
+    world size.
+    """
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+
+    if device == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def _init_distributed(deepspeed, device: str) -> None:
+    """Join (or create) the process group. Ranks come from RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
+    (``learner.actor`` sets them); a process without them is a single rank on a free loopback port."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False)
+
+
+def _ds_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
+    return {
+        "train_batch_size": cfg.mini_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.mini_batch_size // (cfg.micro_batch_size * world_size),
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "steps_per_print": 1 << 30,
+    }
+
+
+@dataclass
+class _TrainEngine:
+    """A DeepSpeed engine around a model and its torch AdamW. ``plain``: DeepSpeed kept our optimizer unwrapped
+    (stage 0, fp32); it then clips without keeping the norm, so ``step`` computes it."""
+
+    engine: Any
+    plain: bool
+
+    def step(self) -> Optional[float]:
+        """``engine.step()`` after every micro-batch; the global grad norm (pre-clip) at an update, else None."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        norm = None
+        if boundary and self.plain:
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        self.engine.step()
+        if boundary and not self.plain:
+            norm = float(self.engine.get_global_grad_norm())
+        return norm
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+
+@dataclass
+class _Window:
+    """The batch on response positions ``p0..L-1``, on the learner's device. ``(B, L)``: ``input_ids``,
+    ``attention_mask``; ``(B, T = L - p0)``: ``mask`` (loss positions), ``generated`` (model tokens),
+    ``behavior_logprobs``, ``versions``, ``turn_index``; ``(B,)``: ``seq_lengths``, ``rewards``, ``group_index``."""
+
+    p0: int
+    input_ids: Tensor
+    attention_mask: Tensor
+    mask: Tensor
+    generated: Tensor
+    behavior_logprobs: Tensor
+    versions: Tensor
+    turn_index: Tensor
+    seq_lengths: Tensor
+    rewards: Tensor
+    group_index: Tensor
+
+    @classmethod
+    def of(cls, batch: TrainBatch, mask_observations: bool, device: torch.device) -> "_Window":
+        batch = batch.to(device)
+        p0 = int(batch.prompt_lengths.min())
+        if p0 < 1:
+            raise ValueError("every row needs a non-empty prompt (the first response token is predicted from it)")
+        cols = slice(p0, None)
+        generated = batch.loss_mask[:, cols] > 0
+        positions = torch.arange(p0, batch.input_ids.shape[1], device=device)
+        response = (positions >= batch.prompt_lengths[:, None]) & (batch.attention_mask[:, cols] > 0)
+        mask = generated if mask_observations else response
+        turn_index = batch.turn_index[:, cols]
+        if not mask_observations:  # an observation belongs to the model turn that called for it
+            turn_index = torch.where(response, torch.cummax(turn_index, dim=1).values, torch.full_like(turn_index, -1))
+        return cls(p0, batch.input_ids, batch.attention_mask, mask.float(), generated,
+                   batch.behavior_logprobs[:, cols].float(), batch.versions[:, cols], turn_index,
+                   batch.seq_lengths, batch.rewards.float(), batch.group_index)
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+
+class _Metrics:
+    """Unit-weighted means over micro-batches (maxima for ``MAX_METRICS``)."""
+
+    def __init__(self) -> None:
+        self._sum: dict[str, float] = {}
+        self._weight: dict[str, float] = {}
+
+    def add(self, values: dict[str, Any], weight: float = 1.0) -> None:
+        for key, value in values.items():
+            value = float(value)
+            if key in MAX_METRICS:
+                self._sum[key] = max(self._sum.get(key, value), value)
+                self._weight[key] = 1.0
+            else:
+                self._sum[key] = self._sum.get(key, 0.0) + weight * value
+                self._weight[key] = self._weight.get(key, 0.0) + weight
+
+    def result(self) -> dict[str, float]:
+        return {k: self._sum[k] / self._weight[k] if self._weight[k] else 0.0 for k in self._sum}
+
+
+class Learner:
+    """One learner rank. Construct on every rank with the same ``Config``; call ``train_step`` on every rank with
+    the same batch (``learner.batch_size`` rows)."""
+
+    def __init__(self, cfg: Config):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+        self.cfg = cfg
+        lc, alg = cfg.learner, cfg.algorithm
+        self.deepspeed = _import_deepspeed(cfg.run.device)
+        _init_distributed(self.deepspeed, cfg.run.device)
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        if lc.mini_batch_size % (lc.micro_batch_size * self.world_size):
+            raise ValueError(f"learner.mini_batch_size ({lc.mini_batch_size}) must be a multiple of "
+                             f"learner.micro_batch_size x ranks ({lc.micro_batch_size} x {self.world_size})")
+        if cfg.run.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        self.model_path = cfg.model.path
+        self.step = 0
+        self.version = 0
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.policy_loss = get_policy_loss(alg.policy_loss)
+        # the behavior-anchored ppo needs no proximal pass, unless observations (never sampled) take the loss
+        self.needs_proximal = alg.policy_loss != "ppo" or not alg.mask_observations
+        self._seed_everything(lc.seed)
+
+        dtype = torch.bfloat16 if lc.dtype == "bfloat16" else torch.float32
+        policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.policy = self._engine(policy, lc.lr)
+        self.device = self.policy.engine.device
+        self.reference = None
+        if alg.kl_coef > 0 and lc.use_reference_model:
+            reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+            self.reference = reference.to(self.device).eval().requires_grad_(False)
+        self.critic = None
+        if alg.advantage_estimator == "gae":
+            # the policy's architecture with a scalar head (a new, seeded linear layer) on every position
+            critic_config = AutoConfig.from_pretrained(self.model_path, num_labels=1, classifier_dropout=0.0)
+            critic = AutoModelForTokenClassification.from_pretrained(self.model_path, config=critic_config,
+                                                                     dtype=torch.float32)
+            self.critic = self._engine(critic, lc.critic_lr)
+
+    # ----------------------------------------------------------------------------------------------- set-up
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # the critic's new head must start identical on every rank
+
+    def _engine(self, model: torch.nn.Module, lr: float) -> _TrainEngine:
+        lc = self.cfg.learner
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=lc.betas, weight_decay=lc.weight_decay)
+        engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer,
+                                               config=_ds_config(lc, self.world_size))
+        engine.eval()  # no dropout: the proximal pass and the live pass must compute the same function
+        return _TrainEngine(engine, plain=engine.optimizer is optimizer)
+
+    # --------------------------------------------------------------------------------------------- forwards
+    def _rows(self, w: _Window, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """``input_ids``, ``attention_mask`` of ``rows``, trimmed to their longest row."""
+        length = int(w.seq_lengths[rows].max())
+        return w.input_ids[rows, :length], w.attention_mask[rows, :length]
+
+    def _policy_forward(self, model: Any, w: _Window, rows: Tensor, with_entropy: bool
+                        ) -> tuple[Tensor, Optional[Tensor]]:
+        """``(logprobs, entropy)`` ``(n, T_rows)`` of tokens ``p0..`` of ``rows`` under ``softmax(logits / T)``."""
+        ids, attn = self._rows(w, rows)
+        keep = ids.shape[1] - w.p0 + 1  # positions p0-1 .. L-1; the last predicts past the end and is dropped
+        logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep, use_cache=False).logits
+        logits = logits[:, :-1].float() / self.temperature
+        targets = ids[:, w.p0:]
+        logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+        entropy = entropy_from_logits(logits) if with_entropy else None
+        return logprobs, entropy
+
+    def _critic_forward(self, w: _Window, rows: Tensor) -> Tensor:
+        """``V`` ``(n, T_rows)``: the value of the state before token ``p0 + j``, read at position ``p0 + j - 1``."""
+        ids, attn = self._rows(w, rows)
+        scores = self.critic.engine(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        return scores[:, w.p0 - 1:-1, 0].float()
+
+    @torch.no_grad()
+    def _no_grad_pass(self, fn, w: _Window, rows: Tensor) -> Tensor:
+        """``fn(w, micro_rows)`` over ``rows`` in micro-batches, zero-padded to ``(len(rows), T)``."""
+        out = torch.zeros(len(rows), w.width, device=self.device)
+        for start in range(0, len(rows), self.cfg.learner.micro_batch_size):
+            part = rows[start:start + self.cfg.learner.micro_batch_size]
+            values = fn(w, part)
+            out[start:start + len(part), :values.shape[1]] = values
+        return out
+
+    def _all_rows(self, own: Tensor, B: int) -> Tensor:
+        """All-gather a ``(B / world, T)`` tensor of this rank's rows into ``(B, T)`` in batch row order."""
+        if self.world_size == 1:
+            return own
+        parts = [torch.empty_like(own) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, own.contiguous())
+        full = torch.empty(B, own.shape[1], dtype=own.dtype, device=own.device)
+        for r, part in enumerate(parts):
+            full[r::self.world_size] = part
+        return full
+
+    # ------------------------------------------------------------------------------------------------ step
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One learner step on ``batch`` (every rank gets the same batch). Returns the metrics of the module
+        docstring; ``step`` advances by one, ``version`` does not (see ``bump_version``)."""
+        t0 = time.perf_counter()
+        lc, alg = self.cfg.learner, self.cfg.algorithm
+        B = batch.batch_size
+        if B != lc.batch_size or B % self.world_size:
+            raise ValueError(f"batch has {B} rows; learner.batch_size is {lc.batch_size} "
+                             f"(and must divide among {self.world_size} ranks)")
+        w = _Window.of(batch, alg.mask_observations, self.device)
+        own = torch.arange(self.rank, B, self.world_size, device=self.device)
+
+        full = torch.zeros(B, w.width, device=self.device)  # own rows filled, others stay 0
+        proximal = ref = old_values = None
+        if self.needs_proximal:
+            proximal = full.clone()
+            proximal[own] = self._no_grad_pass(lambda w_, r: self._policy_forward(self.policy.engine, w_, r, False)[0],
+                                               w, own)
+        behavior = w.behavior_logprobs
+        if proximal is not None:
+            behavior = torch.where(w.generated, behavior, proximal)  # unmasked observations: no behavior policy
+        if alg.kl_coef > 0:
+            ref = behavior
+            if self.reference is not None:
+                ref = full.clone()
+                ref[own] = self._no_grad_pass(lambda w_, r: self._policy_forward(self.reference, w_, r, False)[0],
+                                              w, own)
+        values = None
+        if self.critic is not None:
+            values = self._all_rows(self._no_grad_pass(self._critic_forward, w, own), B)
+            old_values = values
+
+        token_rewards = place_outcome_rewards(w.rewards, w.mask)
+        advantages, returns = compute_advantages(
+            token_rewards, w.mask, estimator=alg.advantage_estimator, stepwise=alg.stepwise_advantage,
+            group_index=w.group_index, values=values, turn_index=w.turn_index, gamma=alg.gamma, lam=alg.lam,
+            whiten=alg.whiten_advantages)
+
+        lr = lc.lr * lr_factor(self.step, warmup_steps=lc.warmup_steps, total_steps=lc.total_steps,
+                               schedule=lc.lr_schedule)
+        self.policy.set_lr(lr)
+        if self.critic is not None:
+            self.critic.set_lr(lc.critic_lr * lr / lc.lr)
+
+        metrics = _Metrics()
+        tensors = dict(proximal=proximal, behavior=behavior, ref=ref, advantages=advantages, returns=returns,
+                       old_values=old_values)
+        for epoch in range(lc.ppo_epochs):
+            for mini in self._mini_batches(w, epoch):
+                self._train_mini_batch(w, mini, tensors, metrics)
+
+        staleness = self._staleness(w)
+        self.step += 1
+        step_time = time.perf_counter() - t0
+        out = metrics.result()
+        out.update(
+            lr=lr,
+            staleness_mean=float(staleness.mean()),
+            staleness_max=float(staleness.max()),
+            reward_mean=float(w.rewards.mean()),
+            advantage_mean=float(masked_mean(advantages, w.mask)),
+            loss_tokens=float(w.mask.sum()),
+            step_time_s=step_time,
+            tokens_per_s=float(w.seq_lengths.sum()) / step_time,
+            step=float(self.step),
+            version=float(self.version),
+        )
+        return out
+
+    def _mini_batches(self, w: _Window, epoch: int) -> Iterator[tuple[list[Tensor], float]]:
+        """Per mini-batch: this rank's micro-batches (rows sorted by length, so a micro-batch pads little) and the
+        loss units of the whole mini-batch over all ranks. The shuffle is a function of (seed, step, epoch), the
+        same on every rank, so each rank knows every other rank's rows."""
+        lc = self.cfg.learner
+        B = w.mask.shape[0]
+        per_rank = lc.mini_batch_size // self.world_size
+        perm = torch.as_tensor(np.random.default_rng([lc.seed, self.step, epoch]).permutation(B // self.world_size),
+                               device=self.device)
+        for start in range(0, len(perm), per_rank):
+            sel = perm[start:start + per_rank]
+            rank_rows = [torch.arange(r, B, self.world_size, device=self.device)[sel] for r in range(self.world_size)]
+            units = self._units(w, torch.cat(rank_rows))
+            mine = rank_rows[self.rank]
+            mine = mine[torch.argsort(w.seq_lengths[mine], descending=True, stable=True)]
+            yield list(mine.split(lc.micro_batch_size)), units
+
+    def _units(self, w: _Window, rows: Tensor) -> float:
+        """Loss units of ``rows``: loss tokens (token-mean) or sequences with a loss token (seq-mean-*)."""
+        mask = w.mask[rows]
+        if self.cfg.algorithm.loss_agg_mode == "token-mean":
+            return float(mask.sum())
+        return float((mask.sum(dim=1) > 0).sum())
+
+    def _train_mini_batch(self, w: _Window, mini: tuple[list[Tensor], float], t: dict[str, Optional[Tensor]],
+                          metrics: _Metrics) -> None:
+        alg = self.cfg.algorithm
+        micro_batches, mini_units = mini
+        scale = len(micro_batches) * self.world_size / max(mini_units, 1.0)
+        for rows in micro_batches:
+            units = self._units(w, rows)
+            weight = units * scale
+            logprobs, entropy = self._policy_forward(self.policy.engine, w, rows, with_entropy=True)
+            width = logprobs.shape[1]
+            cut = {k: (v[rows, :width] if v is not None else None) for k, v in t.items()}
+            mask = w.mask[rows, :width]
+            policy_loss, pm = self.policy_loss(
+                logprobs, cut["proximal"], cut["behavior"], cut["advantages"], mask,
+                clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, dual_clip_c=alg.dual_clip_c,
+                behavior_weight_mode=alg.behavior_weight_mode, behavior_weight_cap=alg.behavior_weight_cap,
+                loss_agg_mode=alg.loss_agg_mode, horizon=self.cfg.rollout.max_response_length)
+            with nullcontext() if alg.entropy_coef > 0 else torch.no_grad():
+                entropy_term = agg_loss(entropy if alg.entropy_coef > 0 else entropy.detach(), mask,
+                                        alg.loss_agg_mode, horizon=self.cfg.rollout.max_response_length)
+            loss = policy_loss - alg.entropy_coef * entropy_term
+            step_metrics = {"policy_loss": policy_loss.detach(), "entropy": entropy_term.detach(), **pm}
+            if cut["ref"] is not None:
+                kl = agg_loss(kl_penalty(logprobs, cut["ref"], alg.kl_estimator), mask, alg.loss_agg_mode,
+                              horizon=self.cfg.rollout.max_response_length)
+                loss = loss + alg.kl_coef * kl
+                step_metrics["kl"] = kl.detach()
+            self.policy.engine.backward(loss * weight)
+            norm = self.policy.step()
+            if norm is not None:
+                step_metrics["grad_norm"] = norm
+            if self.critic is not None:
+                values = self._critic_forward(w, rows)
+                value_loss, vm = clipped_value_loss(values, cut["old_values"], cut["returns"], mask,
+                                                    value_clip=alg.value_clip, loss_agg_mode=alg.loss_agg_mode,
+                                                    horizon=self.cfg.rollout.max_response_length)
+                self.critic.engine.backward(alg.vf_coef * value_loss * weight)
+                critic_norm = self.critic.step()
+                step_metrics.update(value_loss=value_loss.detach(), **vm)
+                if critic_norm is not None:
+                    step_metrics["critic_grad_norm"] = critic_norm
+            metrics.add(step_metrics, weight=units)
+
+    def _staleness(self, w: _Window) -> Tensor:
+        """``version - min token version`` per trajectory, over its generated tokens. ``(B,)`` float."""
+        oldest = torch.where(w.generated, w.versions, torch.full_like(w.versions, torch.iinfo(torch.int64).max))
+        return (self.version - oldest.min(dim=1).values).float()
+
+    # ----------------------------------------------------------------------------------------- publishing
+    def publish_due(self) -> bool:
+        """True after every ``weight_sync.every_steps``-th step: time to ``bump_version`` and publish."""
+        return self.step > 0 and self.step % self.cfg.weight_sync.every_steps == 0
+
+    def bump_version(self) -> int:
+        """Advance the policy version (call on every rank, once per publish); returns the new version."""
+        self.version += 1
+        return self.version
+
+    def full_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """``(name, full tensor)`` of every policy parameter (tied ones once, HF names), in the training dtype,
+        on the learner's device. Under ZeRO-3 each is gathered on every rank (a collective: call on all ranks)
+        and valid only until the next item is drawn; copy it to keep it."""
+        zero3 = self.cfg.learner.zero_stage == 3
+        for name, p in self.policy.engine.module.named_parameters():
+            with self.deepspeed.zero.GatheredParameters([p], modifier_rank=None) if zero3 else nullcontext():
+                yield name, p.data
+
+    def state_dict_for_publish(self) -> dict[str, np.ndarray]:
+        """Policy weights as float32 numpy arrays (C-contiguous copies, ready for ``ray.put`` zero-copy reads).
+
+        bf16 parameters are upcast to float32, which is exact: numpy has no bfloat16 and the engine loader takes
+        numpy arrays as they are; an engine running in bf16 rounds them back to the same values. This costs twice
+        the bytes of a bf16 transfer. Under ZeRO-3 this gathers (call on every rank).
+        """
+        return {name: t.detach().to("cpu", torch.float32, copy=True).numpy() for name, t in self.full_parameters()}

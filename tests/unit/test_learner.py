@@ -1,0 +1,176 @@
+"""The plain ``Learner`` on real DeepSpeed (CPU, gloo, one rank) with the tiny Qwen2 model.
+
+Log-probs are checked against an independent transformers computation: the sampling policy's log-probs are computed
+here with ``log_softmax(logits / T)`` and recorded as ``behavior_logprobs``, and parameters published by the learner
+are loaded into a fresh transformers model to measure what the steps did.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from async_agent_rl.batch import TrainBatch, pack_batch
+from async_agent_rl.config import build_config
+from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
+from learner.learner import Learner, lr_factor
+
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def token_logprobs(model, ids: list[int], temperature: float = 1.0) -> list[float]:
+    """log p(ids[t] | ids[:t]) under softmax(logits / T) for t = 1..n-1 (independent of the learner's code)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()
+
+
+def episode(model, prompt: list[int], turns: list[tuple[str, list[int]]], reward: float, group: str,
+            version: int = 0, temperature: float = 1.0) -> Trajectory:
+    """A trajectory whose behavior log-probs are the model's own (as if it sampled the model turns)."""
+    response = [t for _, ids in turns for t in ids]
+    lp = token_logprobs(model, prompt + response, temperature)[len(prompt) - 1:]
+    mask, spans, pos = [], [], 0
+    for kind, ids in turns:
+        mask += [1 if kind == "model" else 0] * len(ids)
+        spans.append(TurnSpan(kind, pos, pos + len(ids)))
+        pos += len(ids)
+    return Trajectory(
+        prompt_ids=prompt, response_ids=response, loss_mask=mask,
+        behavior_logprobs=[x if m else 0.0 for x, m in zip(lp, mask)],
+        versions=[version if m else -1 for m in mask], turns=spans, reward=reward,
+        meta=EpisodeMeta(group_id=group)).validate()
+
+
+def two_groups(model, temperature: float = 1.0, versions=(0, 0, 0, 0)) -> TrainBatch:
+    """Two prompts x two rollouts, one right and one wrong each; prompts of different lengths."""
+    p1, p2 = [101, 102, 103, 104, 105], [201, 202, 203]
+    rows = [
+        (p1, [("model", [301, 302, 303]), ("observation", [401, 402]), ("model", [304, 305])], 1.0, "a"),
+        (p1, [("model", [311, 312]), ("observation", [411, 412, 413]), ("model", [314])], 0.0, "a"),
+        (p2, [("model", [321, 322, 323, 324]), ("observation", [421]), ("model", [325, 326])], 1.0, "b"),
+        (p2, [("model", [331, 332]), ("observation", [431, 432]), ("model", [333, 334, 335])], 0.0, "b"),
+    ]
+    return pack_batch([episode(model, p, t, r, g, v, temperature) for (p, t, r, g), v in zip(rows, versions)], PAD)
+
+
+def make_learner(model_dir, **sections) -> Learner:
+    tree = {
+        "model": {"path": str(model_dir)},
+        "learner": {"batch_size": 4, "mini_batch_size": 4, "micro_batch_size": 2, "lr": 1e-3, "total_steps": 10},
+        "algorithm": {"advantage_estimator": "grpo", "policy_loss": "decoupled_ppo"},
+    }
+    for name, values in sections.items():
+        tree.setdefault(name, {}).update(values)
+    return Learner(build_config(tree))
+
+
+def sequence_logprob(model, state: dict, batch: TrainBatch, row: int, positions: list[int]) -> float:
+    """Sum of log p(token) at ``positions`` of ``row`` under the published ``state`` loaded into ``model``."""
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    n = int(batch.seq_lengths[row])
+    lp = token_logprobs(model, batch.input_ids[row, :n].tolist())
+    return sum(lp[p - 1] for p in positions)
+
+
+def model_positions(batch: TrainBatch, row: int) -> list[int]:
+    return batch.loss_mask[row].nonzero().flatten().tolist()
+
+
+def observation_positions(batch: TrainBatch, row: int) -> list[int]:
+    response = torch.arange(batch.input_ids.shape[1]) >= batch.prompt_lengths[row]
+    obs = response & (batch.attention_mask[row] > 0) & (batch.loss_mask[row] == 0)
+    return obs.nonzero().flatten().tolist()
+
+
+# ------------------------------------------------------------------------------------------------------- tests
+def test_lr_factor_warmup_then_schedule():
+    kw = dict(warmup_steps=2, total_steps=6)
+    assert [lr_factor(s, schedule="constant", **kw) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_factor(s, schedule="linear", **kw) for s in range(2, 7)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert lr_factor(4, schedule="cosine", **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_proximal_pass_reproduces_the_sampling_policy_and_staleness_is_measured(tiny_model_dir, hf_model):
+    """Behavior log-probs from an independent forward at T=0.7: the learner's proximal recompute (shift by one,
+    prompt-length window, temperature) must agree, so every behavior weight is 1."""
+    batch = two_groups(hf_model, temperature=0.7, versions=(0, 1, 1, 2))
+    learner = make_learner(tiny_model_dir, rollout={"temperature": 0.7})
+    learner.bump_version(), learner.bump_version()
+    m = learner.train_step(batch)
+    assert m["iw_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["iw_max"] == pytest.approx(1.0, abs=1e-4)
+    assert m["behavior_kl"] < 1e-6 and m["iw_capped_frac"] == 0.0
+    assert (m["staleness_mean"], m["staleness_max"]) == (pytest.approx(1.0), 2.0)  # 2 - (0, 1, 1, 2)
+    assert m["loss_tokens"] == float(batch.loss_mask.sum())
+    assert (m["step"], m["version"]) == (1.0, 2.0)
+
+
+@pytest.mark.parametrize("zero_stage,dtype", [(0, "float32"), (3, "bfloat16")])
+def test_steps_raise_the_rewarded_responses(tiny_model_dir, hf_model, zero_stage, dtype):
+    """A few steps on a fixed batch: the loss falls, right answers gain log-prob, wrong ones lose it. The stage-3
+    bf16 run also carries a KL to a reference model (zero before the first update, positive after)."""
+    batch = two_groups(hf_model)
+    kl = {"kl_coef": 0.01} if zero_stage == 3 else {}
+    learner = make_learner(tiny_model_dir, learner={"zero_stage": zero_stage, "dtype": dtype,
+                                                    "use_reference_model": bool(kl)}, algorithm=kl)
+    before = learner.state_dict_for_publish()
+    metrics = [learner.train_step(batch) for _ in range(5)]
+    after = learner.state_dict_for_publish()
+
+    losses = [m["policy_loss"] for m in metrics]
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert all(math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 for m in metrics)
+    for row, sign in ((0, 1), (1, -1), (2, 1), (3, -1)):
+        positions = model_positions(batch, row)
+        change = (sequence_logprob(hf_model, after, batch, row, positions)
+                  - sequence_logprob(hf_model, before, batch, row, positions))
+        assert sign * change > 0.1, (row, change)
+
+    names = [n for n, _ in hf_model.named_parameters()]
+    assert list(after) == names
+    assert all(a.dtype.name == "float32" and a.flags.c_contiguous for a in after.values())
+    assert all(after[n].shape == tuple(p.shape) for n, p in hf_model.named_parameters())
+    if kl:
+        assert metrics[0]["kl"] < 1e-6 < metrics[-1]["kl"]
+
+
+def test_mask_observations_switch_decides_whether_the_loss_trains_on_observations(tiny_model_dir, hf_model):
+    """One rewarded episode (a group of one keeps its raw score, so every loss token has advantage 1). With
+    observations masked the steps leave the observation tokens' log-probs nearly alone; unmasked (Search-R1's
+    ablation) the loss sees them and pushes them up like the model's own tokens."""
+    prompt = [101, 102, 103]
+    turns = [("model", [301, 302, 303]), ("observation", [401, 402, 403, 404]), ("model", [304, 305])]
+    batch = pack_batch([episode(hf_model, prompt, turns, 1.0, "")], PAD)
+    obs = observation_positions(batch, 0)
+    rise = {}
+    for masked in (True, False):
+        learner = make_learner(tiny_model_dir, learner={"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1},
+                               algorithm={"mask_observations": masked})
+        before = learner.state_dict_for_publish()
+        metrics = [learner.train_step(batch) for _ in range(3)]
+        after = learner.state_dict_for_publish()
+        rise[masked] = (sequence_logprob(hf_model, after, batch, 0, obs)
+                        - sequence_logprob(hf_model, before, batch, 0, obs))
+        assert metrics[0]["loss_tokens"] == 5 + (0 if masked else len(obs))
+    assert rise[False] > 1.0 and abs(rise[True]) < 0.25 * rise[False], rise
+
+
+def test_gae_critic_learns_and_plain_ppo_skips_the_proximal_pass(tiny_model_dir, hf_model):
+    batch = two_groups(hf_model)
+    learner = make_learner(tiny_model_dir, learner={"critic_lr": 1e-3},
+                           algorithm={"advantage_estimator": "gae", "policy_loss": "ppo", "lam": 0.95})
+    assert not learner.needs_proximal
+    metrics = [learner.train_step(batch) for _ in range(4)]
+    assert metrics[-1]["value_loss"] < metrics[0]["value_loss"]
+    assert all(m["critic_grad_norm"] > 0 for m in metrics)
+    assert "iw_mean" not in metrics[0]  # behavior-anchored: no proximal policy, no behavior weight
