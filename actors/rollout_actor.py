@@ -1,0 +1,137 @@
+"""Ray actor shell around ``RolloutWorker``: one vLLM engine per actor, episodes pushed to the buffer actor.
+
+The shell only wires Ray to the plain classes: admission and pushes go to the buffer actor (batched), weights
+arrive from the learner as a Ray object (zero-copy numpy arrays) and go to the engine's reload. Resources come
+from ``cluster.rollout_actor_cpus`` / ``rollout_actor_gpus`` where the actor is created (``create_rollout_actors``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Mapping
+
+import ray
+
+from actors.engine import create_engine
+from actors.episode import EpisodeRunner, EpisodeSettings
+from actors.rollout_worker import PromptSource, RolloutWorker
+from actors.search_client import SearchClient
+from async_agent_rl.config import Config
+from async_agent_rl.data.search_r1 import read_qa_files
+from async_agent_rl.records import Trajectory
+from buffer.actor import push_all_async
+
+log = logging.getLogger(__name__)
+
+
+class RolloutActor:
+    def __init__(self, cfg_dict: dict, index: int, buffer: Any, retriever_url: str, model_path: str, version: int = 0):
+        from async_agent_rl.config import build_config
+
+        self.cfg: Config = build_config(cfg_dict, "rollout actor")
+        self.index = index
+        self.buffer = buffer
+        self.url = retriever_url
+        self.model_path = model_path
+        self.initial_version = version
+        self.worker: RolloutWorker | None = None
+        self._task: asyncio.Task | None = None
+        self._updates: list[dict] = []
+
+    async def setup(self) -> dict:
+        """Create the engine and the worker (async: the engine lives on this actor's event loop)."""
+        from transformers import AutoTokenizer
+
+        cfg = self.cfg
+        examples, report = read_qa_files(cfg.data.train_files, cfg.data.on_bad_row)
+        self.engine = await create_engine(cfg, self.model_path, self.initial_version)
+        self.search = SearchClient(self.url, cfg.retriever.client, topk=cfg.retriever.topk)
+        runner = EpisodeRunner(
+            self.engine, self.search, AutoTokenizer.from_pretrained(self.model_path), EpisodeSettings.from_config(cfg)
+        )
+        prompts = PromptSource(examples, shard=self.index, num_shards=cfg.rollout.num_actors, seed=cfg.data.seed)
+        self.worker = RolloutWorker(
+            runner,
+            iter(prompts),
+            self._push,
+            group_size=cfg.rollout.group_size,
+            max_concurrent=cfg.rollout.max_concurrent_episodes,
+            push_batch_size=cfg.rollout.push_batch_size,
+            admit=self._admit,
+            on_lost=self._lost,
+            actor_id=f"actor{self.index}",
+            seed=cfg.rollout.seed + self.index,
+        )
+        return {"index": self.index, "examples": len(prompts.examples), "skipped_rows": report.skipped}
+
+    # ------------------------------------------------------------------------------------------ buffer plumbing
+    async def _admit(self, n: int, version: int) -> int:
+        return await self.buffer.try_start.remote(n, version)
+
+    async def _push(self, trajs: list[Trajectory]) -> None:
+        await push_all_async(self.buffer, [t.encode() for t in trajs])
+
+    async def _lost(self, group_ids: list[str]) -> None:
+        await self.buffer.reject.remote(group_ids)
+
+    # ------------------------------------------------------------------------------------------------ control
+    async def start(self, num_groups: int | None = None) -> None:
+        assert self.worker is not None, "call setup() first"
+        self._task = asyncio.create_task(self.worker.run(num_groups))
+
+    async def stop(self, timeout_s: float = 120.0) -> dict:
+        """Stop starting groups, let in-flight episodes finish and be pushed; returns the worker's stats."""
+        if self.worker is not None:
+            self.worker.stop()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("rollout actor %d: in-flight episodes did not finish within %s s", self.index, timeout_s)
+        return self.stats()
+
+    async def update_weights(self, version: int, weights: Mapping[str, Any]) -> dict:
+        """Reload ``weights`` (resolved from the object store by Ray) into the engine as ``version``."""
+        t0 = time.perf_counter()
+        stats = await self.engine.update_weights(version, weights, self.cfg.rollout.weight_update_mode)
+        rec = {"version": version, "seconds": time.perf_counter() - t0, "pause_seconds": stats.pause_seconds,
+               "bytes": stats.bytes, "mode": stats.mode}  # fmt: skip
+        self._updates.append(rec)
+        return rec
+
+    def stats(self) -> dict:
+        s = self.worker.stats.as_dict() if self.worker else {}
+        s["index"] = self.index
+        s["version"] = getattr(getattr(self, "engine", None), "version", self.initial_version)
+        s["search"] = self.search.counters() if hasattr(self, "search") else {}
+        s["weight_updates"] = list(self._updates[-5:])
+        s["done"] = self._task.done() if self._task else False
+        return s
+
+    async def shutdown(self) -> None:
+        await self.stop(timeout_s=5.0)
+        await self.search.close()
+        await self.engine.close()
+
+
+def create_rollout_actors(
+    cfg: Config, buffer: Any, retriever_url: str, model_path: str, version: int = 0, max_restarts: int = 0
+) -> list[Any]:
+    """Start ``rollout.num_actors`` actors with resources and engine environment from config."""
+    from actors.engine import cpu_engine_env
+
+    env = dict(cfg.cluster.env_vars)
+    if cfg.run.device == "cpu":
+        env = {**cpu_engine_env(cfg.rollout), **env}
+    actor_cls = ray.remote(
+        num_cpus=cfg.cluster.rollout_actor_cpus,
+        num_gpus=cfg.cluster.rollout_actor_gpus,
+        max_restarts=max_restarts,
+        runtime_env={"env_vars": env},
+    )(RolloutActor)
+    return [
+        actor_cls.options(name=f"rollout-{i}").remote(cfg.to_dict(), i, buffer, retriever_url, model_path, version)
+        for i in range(cfg.rollout.num_actors)
+    ]

@@ -1,0 +1,153 @@
+"""The episode loop's bookkeeping, driven by a scripted engine (the engine is the loop's collaborator here; the
+real vLLM engine runs the same loop in tests/integration/test_rollout_vllm.py) against a REAL retrieval server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from actors.engine import TurnOutput, TurnRequest
+from actors.episode import INVALID_ACTION_OBSERVATION, EpisodeRunner, EpisodeSettings, parse_action
+from actors.search_client import SearchClient
+from async_agent_rl.config import SearchClientConfig
+from async_agent_rl.data.corpus import read_corpus
+from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.retriever.backends import BM25Backend
+from async_agent_rl.retriever.render import INFORMATION_CLOSE
+from async_agent_rl.retriever.server import start_server_in_thread
+
+
+class ScriptedEngine:
+    """Returns the given turn texts in order, tokenized; records every request it got."""
+
+    def __init__(self, tokenizer, turns: list[str], version: int = 3):
+        self.tok, self.turns, self.version, self.requests = tokenizer, list(turns), version, []
+
+    async def generate(self, req: TurnRequest) -> TurnOutput:
+        self.requests.append(req)
+        text = self.turns.pop(0)
+        ids = self.tok.encode(text, add_special_tokens=False)[: req.max_tokens]
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        return TurnOutput(ids, [-0.5] * len(ids), [self.version] * len(ids), text, "stop")
+
+
+@pytest.fixture(scope="module")
+def server(world_dir):
+    backend = BM25Backend.build(read_corpus(world_dir / "corpus.jsonl"))
+    srv = start_server_in_thread(backend)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def person(world_dir):
+    table = json.loads((world_dir / "world.json").read_text())
+    name, attrs = next((n, a) for n, a in table.items() if a["kind"] == "person")
+    return name, attrs
+
+
+def settings(**kw) -> EpisodeSettings:
+    base = dict(max_turns=4, max_tokens_per_turn=64, max_response_length=512, max_obs_length=200,
+                max_model_len=1024, prompt_template="minimal")  # fmt: skip
+    return EpisodeSettings(**{**base, **kw})
+
+
+async def _episode(url, tok, turns, ex, **kw):
+    async with SearchClient(url, SearchClientConfig(timeout_s=2, retries=0, deadline_s=3)) as sc:
+        engine = ScriptedEngine(tok, turns)
+        traj = await EpisodeRunner(engine, sc, tok, settings(**kw)).run(ex, group_id="g", trajectory_id="t")
+        return traj, engine
+
+
+def test_parse_action_takes_the_first_tag():
+    assert parse_action("x <search> a </search> <answer> b </answer>") == ("search", "a")
+    assert parse_action("<answer>\nb\n</answer>") == ("answer", "b")
+    assert parse_action("no tags </search>") == (None, "")
+
+
+def test_search_then_answer_lines_up_tokens_mask_and_turns(server, tok, person):
+    name, attrs = person
+    ex = QAExample(id="q", question=f"In which city was {name} born?", gold_answers=[attrs["birth_city"]])
+    turns = [f"<search> {name} </search>", f"<answer> {attrs['birth_city']} </answer>"]
+    traj, engine = asyncio.run(_episode(server.url, tok, turns, ex))
+    kinds = [t.kind for t in traj.turns]
+    assert kinds == ["model", "observation", "model"]
+    obs = traj.turns[1]
+    # the observation is exactly the rendered real hits, tokenized on its own, loss 0, no version
+    assert traj.response_ids[obs.start : obs.end][-len(tok.encode(INFORMATION_CLOSE, add_special_tokens=False)):] == \
+        tok.encode(INFORMATION_CLOSE, add_special_tokens=False)
+    obs_text = tok.decode(traj.response_ids[obs.start : obs.end])
+    assert obs_text.startswith("\n\n<information>Doc 1(Title: \"" + name + "\")")
+    assert traj.loss_mask[obs.start : obs.end] == [0] * obs.length
+    assert set(traj.versions[obs.start : obs.end]) == {-1}
+    for span in (traj.turns[0], traj.turns[2]):
+        assert traj.loss_mask[span.start : span.end] == [1] * span.length
+        assert set(traj.versions[span.start : span.end]) == {3}
+    # the second turn was generated from prompt + everything so far, token for token
+    assert engine.requests[1].prompt_ids == traj.prompt_ids + traj.response_ids[: traj.turns[2].start]
+    assert traj.reward == 1.0 and traj.meta.finish_reason == "answer" and traj.meta.num_searches == 1
+
+
+def test_invalid_action_gets_search_r1_observation(server, tok, person):
+    ex = QAExample(id="q", question="?", gold_answers=["x"])
+    traj, _ = asyncio.run(_episode(server.url, tok, ["I am not sure", "<answer> y </answer>"], ex))
+    obs = traj.turns[1]
+    assert tok.decode(traj.response_ids[obs.start : obs.end]) == INVALID_ACTION_OBSERVATION
+    assert traj.reward == 0.0
+
+
+def test_max_turns_ends_on_a_model_turn(server, tok, person):
+    name, _ = person
+    ex = QAExample(id="q", question="?", gold_answers=["x"])
+    traj, _ = asyncio.run(_episode(server.url, tok, [f"<search> {name} </search>"] * 3, ex, max_turns=3))
+    assert [t.kind for t in traj.turns] == ["model", "observation", "model", "observation", "model"]
+    assert traj.meta.finish_reason == "max_turns" and traj.loss_mask[-1] == 1
+
+
+def test_response_budget_never_leaves_a_trailing_observation(server, tok, person):
+    name, _ = person
+    ex = QAExample(id="q", question="?", gold_answers=["x"])
+    traj, _ = asyncio.run(_episode(server.url, tok, [f"<search> {name} </search>"] * 4, ex, max_response_length=60))
+    assert traj.turns[-1].kind == "model" and traj.meta.finish_reason == "response_budget"
+    assert len(traj.response_ids) <= 60
+
+
+def test_per_turn_cap_and_budget_reach_the_engine(server, tok):
+    ex = QAExample(id="q", question="?", gold_answers=["x"])
+    _, engine = asyncio.run(_episode(server.url, tok, ["a b c"] * 4, ex, max_tokens_per_turn=5))
+    assert all(r.max_tokens <= 5 for r in engine.requests)
+
+
+def test_long_observation_is_truncated_keeping_closing_tag(server, tok, person):
+    name, _ = person
+    ex = QAExample(id="q", question="?", gold_answers=["x"])
+    traj, _ = asyncio.run(_episode(server.url, tok, [f"<search> {name} </search>", "<answer> x </answer>"], ex,
+                                   max_obs_length=20))
+    obs = traj.turns[1]
+    assert obs.length == 20
+    assert tok.decode(traj.response_ids[obs.start : obs.end]).endswith("</information>\n\n")
+
+
+def test_dead_retriever_gives_masked_error_observation_not_a_crash(tok, person):
+    name, _ = person
+    ex = QAExample(id="q", question="?", gold_answers=["x"])
+    # a port nothing listens on: connection refused on loopback
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    traj, _ = asyncio.run(_episode(f"http://127.0.0.1:{port}", tok, [f"<search> {name} </search>", "<answer> x </answer>"], ex))
+    obs = traj.turns[1]
+    assert "Search failed (connection)" in tok.decode(traj.response_ids[obs.start : obs.end])
+    assert traj.meta.num_search_errors == 1 and traj.loss_mask[obs.start : obs.end] == [0] * obs.length
+    assert traj.reward == 1.0  # the episode went on to its answer
