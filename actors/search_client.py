@@ -179,7 +179,9 @@ class SearchClient:
         if status != 200:
             text = body[:200].decode("utf-8", "replace")
             retryable = status >= 500 or status in RETRYABLE_STATUS
-            raise SearchError("http_status", f"{self.url} answered HTTP {status}: {text}", status=status, retryable=retryable)
+            raise SearchError(
+                "http_status", f"{self.url} answered HTTP {status}: {text}", status=status, retryable=retryable
+            )
         try:
             reply = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -285,6 +285,17 @@ class DenseBackend:
 
 
 # ------------------------------------------------------------------------------------------------------- selection
+def build_backend(kind: str, passages: Sequence[Passage], dense_model: str | Path | None = None) -> SearchBackend:
+    """Index ``passages`` in memory with the ``bm25`` or ``dense`` backend."""
+    if kind == "bm25":
+        return BM25Backend.build(passages)
+    if kind == "dense":
+        if dense_model is None:
+            raise ValueError("the dense backend needs a sentence-transformers model folder (retriever.dense_model)")
+        return DenseBackend.build(passages, dense_model)
+    raise ValueError(f"unknown retriever backend {kind!r}; expected 'bm25' or 'dense'")
+
+
 def open_backend(
     kind: str,
     passages: Sequence[Passage],
@@ -292,19 +303,12 @@ def open_backend(
     dense_model: str | Path | None = None,
 ) -> SearchBackend:
     """Load the index in ``index_dir`` if it holds one, else build it (and save it there when ``index_dir`` is set)."""
-    if kind not in ("bm25", "dense"):
-        raise ValueError(f"unknown retriever backend {kind!r}; expected 'bm25' or 'dense'")
-    if kind == "dense" and dense_model is None:
-        raise ValueError("the dense backend needs a sentence-transformers model folder (retriever.dense_model)")
-    has_index = index_dir is not None and (Path(index_dir) / INDEX_META_FILE).is_file()
-    if kind == "bm25":
-        if has_index:
+    if index_dir is not None and (Path(index_dir) / INDEX_META_FILE).is_file():
+        if kind == "bm25":
             return BM25Backend.load(index_dir, passages)
-        backend: BM25Backend | DenseBackend = BM25Backend.build(passages)
-    else:
-        if has_index:
+        if kind == "dense" and dense_model is not None:
             return DenseBackend.load(index_dir, passages, dense_model)
-        backend = DenseBackend.build(passages, dense_model)
+    backend = build_backend(kind, passages, dense_model)
     if index_dir is not None:
         backend.save(index_dir)
         logger.info("built a %s index of %d passages in %s", kind, len(passages), index_dir)

@@ -13,8 +13,8 @@ import sys
 import time
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits
-from async_agent_rl.data.corpus import CorpusError, read_corpus
-from async_agent_rl.retriever.backends import open_backend
+from async_agent_rl.data.corpus import CorpusError, PassageList, read_corpus
+from async_agent_rl.retriever.backends import build_backend, open_backend
 from async_agent_rl.retriever.server import serve_until_signalled
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def _config_from_args(args: argparse.Namespace) -> RetrieverConfig:
     )
 
 
-def _read_nonempty(path: str):
+def _read_nonempty(path: str) -> PassageList:
     passages = read_corpus(path)
     if not passages:
         raise CorpusError(f"corpus {path} has no passages: nothing to serve")
@@ -82,21 +82,35 @@ def _read_nonempty(path: str):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = _config_from_args(args)
+    """Load (or build) the index, then serve until SIGINT/SIGTERM. Exit 2 with a message on bad input."""
     start = time.perf_counter()
-    passages = _read_nonempty(args.corpus)
-    backend = open_backend(config.backend, passages, config.index_dir, config.dense_model)
-    logger.info("loaded %d passages and a %s index in %.1f s", len(passages), config.backend, time.perf_counter() - start)
+    try:
+        config = _config_from_args(args)
+        passages = _read_nonempty(args.corpus)
+        backend = open_backend(config.backend, passages, config.index_dir, config.dense_model)
+    except (CorpusError, ImportError, ValueError) as e:
+        return _fail(e)
+    elapsed = time.perf_counter() - start
+    logger.info("loaded %d passages and a %s index in %.1f s", len(passages), config.backend, elapsed)
     asyncio.run(serve_until_signalled(backend, config, f"({len(passages)} passages, {config.backend})"))
     return 0
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    """Build the index from scratch (replacing what ``--out`` held) and save it."""
     start = time.perf_counter()
-    passages = _read_nonempty(args.corpus)
-    open_backend(args.backend, passages, args.out, args.dense_model)
+    try:
+        passages = _read_nonempty(args.corpus)
+        build_backend(args.backend, passages, args.dense_model).save(args.out)
+    except (CorpusError, ImportError, ValueError) as e:
+        return _fail(e)
     print(f"indexed {len(passages)} passages ({args.backend}) into {args.out} in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _fail(error: Exception) -> int:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +119,4 @@ def main(argv: list[str] | None = None) -> int:
     register(parser.add_subparsers(dest="command", required=True))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser.parse_args(["retriever", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except (CorpusError, ImportError, ValueError) as e:
-        parser.exit(2, f"error: {e}\n")
+    return args.func(args)

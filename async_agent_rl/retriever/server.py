@@ -16,7 +16,8 @@ Batching: with ``batch_window_ms > 0`` the queries of concurrent requests are co
 ``max_batch_queries`` queries per call. A call waits at most the window after the first query arrives (less once the
 batch is full), and only one call runs at a time, so under load the batch grows to whatever arrived during the
 previous call. Backend calls run in a worker thread so the event loop keeps accepting requests. ``0`` turns batching
-off: every request makes its own backend call.
+off: every request makes its own backend call. A request whose client disconnected before its backend call started
+is dropped unsearched (counted as ``client_gone``), so clients that time out and retry do not pile up dead work.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -114,7 +115,9 @@ def parse_retrieve_request(body: bytes, default_topk: int, limits: RetrieverLimi
             raise RequestError(400, "bad_type", f"queries[{i}] must be a string, got {type(q).__name__}")
         if len(q) > limits.max_query_chars:
             raise RequestError(
-                413, "query_too_long", f"queries[{i}] has {len(q)} characters, over the limit of {limits.max_query_chars}"
+                413,
+                "query_too_long",
+                f"queries[{i}] has {len(q)} characters, over the limit of {limits.max_query_chars}",
             )
     topk = payload.get("topk")
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int)):
@@ -145,20 +148,39 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
+def _disconnected(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status, dumps=_dumps)
 
 
 # ------------------------------------------------------------------------------------------------------- batching
+class ClientGone(Exception):
+    """The client disconnected (gave up) before its queries reached the backend; they were not searched."""
+
+
+def _always_alive() -> bool:
+    return True
+
+
 @dataclass
 class _Pending:
     queries: list[str]
     topk: int
+    alive: Callable[[], bool]
     future: asyncio.Future = field(repr=False)
 
 
 class QueryBatcher:
-    """Turns concurrent ``search`` calls into few backend calls (see the module docstring for the policy)."""
+    """Turns concurrent ``search`` calls into few backend calls (see the module docstring for the policy).
+
+    ``alive`` tells whether the caller still wants the answer: requests whose client went away before their backend
+    call started are dropped with :class:`ClientGone`, so clients that time out and retry cannot pile abandoned work
+    onto an overloaded server.
+    """
 
     def __init__(
         self,
@@ -191,35 +213,48 @@ class QueryBatcher:
             if not p.future.done():
                 p.future.set_exception(RuntimeError("retrieval server is shutting down"))
 
-    async def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+    async def search(
+        self, queries: list[str], topk: int, alive: Callable[[], bool] = _always_alive
+    ) -> list[list[Hit]]:
         if not queries:
             return []
         if self._task is None:
-            return await self._call(queries, topk)
+            return await self._call(queries, topk, alive)
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(queries, topk, future))
+        self._pending.append(_Pending(queries, topk, alive, future))
         self._pending_queries += len(queries)
         self._arrived.set()
         if self._pending_queries >= self.max_batch_queries:
             self._full.set()
         return await future
 
-    async def _call(self, queries: list[str], topk: int) -> list[list[Hit]]:
-        start = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self.executor, self.backend.search, queries, topk)
-        finally:
+    async def _call(
+        self, queries: list[str], topk: int, alive: Callable[[], bool] = _always_alive
+    ) -> list[list[Hit]]:
+        def work() -> list[list[Hit]] | None:
+            if not alive():  # checked in the worker thread, right before the work would start
+                return None
+            start = time.perf_counter()
+            hits = self.backend.search(queries, topk)
             self.metrics.batch_queries.observe(len(queries))
             self.metrics.backend_latency.observe(time.perf_counter() - start)
+            return hits
+
+        hits = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        if hits is None:
+            raise ClientGone()
+        return hits
 
     def _take_batch(self) -> list[_Pending]:
         """Pop whole requests, oldest first, up to ``max_batch_queries`` queries (always at least one request)."""
         batch, n = [], 0
         while self._pending and (not batch or n + len(self._pending[0].queries) <= self.max_batch_queries):
             item = self._pending.pop(0)
-            batch.append(item)
             n += len(item.queries)
+            if item.alive():
+                batch.append(item)
+            elif not item.future.done():
+                item.future.set_exception(ClientGone())
         self._pending_queries -= n
         if self._pending_queries < self.max_batch_queries:
             self._full.clear()
@@ -236,6 +271,8 @@ class QueryBatcher:
                 except asyncio.TimeoutError:
                     pass
             batch = self._take_batch()
+            if not batch:
+                continue
             queries = [q for item in batch for q in item.queries]
             # One call at the largest topk; every request keeps its own best-first prefix.
             topk = max(item.topk for item in batch)
@@ -250,31 +287,26 @@ class QueryBatcher:
             for item in batch:
                 rows = hits[offset : offset + len(item.queries)]
                 offset += len(item.queries)
-                if not item.future.done():  # a request whose client went away is cancelled
+                if not item.future.done():
                     item.future.set_result([row[: item.topk] for row in rows])
 
 
 # ------------------------------------------------------------------------------------------------------------ app
-BATCHER_KEY = web.AppKey("batcher", QueryBatcher)
-METRICS_KEY = web.AppKey("metrics", ServerMetrics)
-
-
 def create_app(
     backend: SearchBackend,
     config: RetrieverConfig | None = None,
     metrics: ServerMetrics | None = None,
-    backend_threads: int = 1,
 ) -> web.Application:
     """The aiohttp application for ``backend`` with ``config``'s default topk, batching and limits.
 
-    ``backend_threads`` is the number of worker threads for backend calls (with batching on, one call runs at a
-    time anyway).
+    Backend calls run one at a time in a single worker thread: backends need not be thread-safe, and a CPU-bound
+    search gains nothing from more threads under the GIL.
     """
     config = config if config is not None else RetrieverConfig()
     metrics = metrics if metrics is not None else ServerMetrics()
     limits = config.limits
     backend_name = getattr(backend, "name", type(backend).__name__)
-    executor = ThreadPoolExecutor(max_workers=backend_threads, thread_name_prefix="retriever-backend")
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever-backend")
     batcher = QueryBatcher(backend, executor, metrics, config.batch_window_ms / 1000.0, config.max_batch_queries)
 
     async def retrieve(request: web.Request) -> web.Response:
@@ -292,7 +324,7 @@ def create_app(
                     413, "body_too_large", f"request body exceeds the limit of {limits.max_body_bytes} bytes"
                 ) from None
             req = parse_retrieve_request(body, config.topk, limits)
-            hits = await batcher.search(req.queries, req.topk)
+            hits = await batcher.search(req.queries, req.topk, alive=lambda: not _disconnected(request))
             response = web.Response(
                 text=_dumps(format_result(hits, req.return_scores)), content_type="application/json"
             )
@@ -300,6 +332,9 @@ def create_app(
         except RequestError as e:
             metrics.errors.labels(e.kind).inc()
             response = _error(e.status, e.message)
+        except ClientGone:
+            metrics.errors.labels("client_gone").inc()
+            response = _error(499, "client closed the request before it was searched")  # nginx's code; unseen
         except Exception as e:  # never let one request take the server down
             logger.exception("retrieve failed")
             metrics.errors.labels("backend").inc()
@@ -334,8 +369,6 @@ def create_app(
 
     # aiohttp enforces the body cap itself for bodies without a Content-Length (chunked uploads).
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[json_errors])
-    app[BATCHER_KEY] = batcher
-    app[METRICS_KEY] = metrics
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", prometheus)
@@ -347,14 +380,14 @@ def create_app(
 # ------------------------------------------------------------------------------------------------------- running
 @asynccontextmanager
 async def serve(
-    backend: SearchBackend, config: RetrieverConfig | None = None, **app_kwargs: Any
+    backend: SearchBackend, config: RetrieverConfig | None = None, metrics: ServerMetrics | None = None
 ) -> AsyncIterator[str]:
     """Run the server on ``config.host:config.port`` (port 0 = a free port) in the current loop; yields its URL.
 
     ``async with serve(backend, cfg) as url: ...`` then POST to ``f"{url}/retrieve"``.
     """
     config = config if config is not None else RetrieverConfig()
-    runner = web.AppRunner(create_app(backend, config, **app_kwargs), access_log=None)
+    runner = web.AppRunner(create_app(backend, config, metrics), access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048)
@@ -368,21 +401,25 @@ async def serve(
 class ServerThread:
     """A server running its own event loop in a daemon thread; ``url``, ``stop()``, and a context manager."""
 
-    def __init__(self, backend: SearchBackend, config: RetrieverConfig | None = None, **app_kwargs: Any):
+    def __init__(
+        self, backend: SearchBackend, config: RetrieverConfig | None = None, metrics: ServerMetrics | None = None
+    ):
         self.url = ""
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(
-            target=asyncio.run, args=(self._main(backend, config, app_kwargs),), name="retriever-server", daemon=True
+            target=asyncio.run, args=(self._main(backend, config, metrics),), name="retriever-server", daemon=True
         )
 
-    async def _main(self, backend: SearchBackend, config: RetrieverConfig | None, app_kwargs: dict) -> None:
+    async def _main(
+        self, backend: SearchBackend, config: RetrieverConfig | None, metrics: ServerMetrics | None
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            async with serve(backend, config, **app_kwargs) as url:
+            async with serve(backend, config, metrics) as url:
                 self.url = url
                 self._ready.set()
                 await self._stop.wait()
@@ -411,10 +448,10 @@ class ServerThread:
 
 
 def start_server_in_thread(
-    backend: SearchBackend, config: RetrieverConfig | None = None, **app_kwargs: Any
+    backend: SearchBackend, config: RetrieverConfig | None = None, metrics: ServerMetrics | None = None
 ) -> ServerThread:
     """Start a server in a background thread and return it once it listens (``.url``; ``.stop()`` when done)."""
-    return ServerThread(backend, config, **app_kwargs).start()
+    return ServerThread(backend, config, metrics).start()
 
 
 async def serve_until_signalled(backend: SearchBackend, config: RetrieverConfig, announce: str = "") -> None:

@@ -90,7 +90,8 @@ def test_search_r1_request_gets_the_exact_reply_shape(server, passages):
 
 @pytest.mark.parametrize("topk_field", [{}, {"topk": None}, {"topk": 0}])
 def test_missing_null_or_zero_topk_means_the_default_3(server, topk_field):
-    status, raw = post(f"{server.url}/retrieve", {"queries": ["history of the world"], "return_scores": True, **topk_field})
+    body = {"queries": ["history of the world"], "return_scores": True, **topk_field}
+    status, raw = post(f"{server.url}/retrieve", body)
     assert status == 200 and len(json.loads(raw)["result"][0]) == 3
 
 
@@ -221,8 +222,10 @@ class SlowBackend:
 
     def __init__(self, inner, delay_s: float, fail: bool = False):
         self.inner, self.delay_s, self.fail = inner, delay_s, fail
+        self.seen: list[str] = []
 
     def search(self, queries, topk):
+        self.seen += queries
         time.sleep(self.delay_s)
         if self.fail:
             raise RuntimeError("index file vanished")
@@ -240,6 +243,27 @@ async def test_event_loop_keeps_serving_during_a_slow_backend_call(backend):
             assert time.perf_counter() - start < 0.5
             async with await slow as resp:
                 assert resp.status == 200
+
+
+@pytest.mark.parametrize("window_ms", [0.0, 2.0])
+async def test_requests_abandoned_by_their_client_are_not_searched(backend, window_ms):
+    slow = SlowBackend(backend, 0.6)
+    with start_server_in_thread(slow, RetrieverConfig(batch_window_ms=window_ms, max_batch_queries=1)) as srv:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+
+            async def give_up(query: str) -> None:
+                with pytest.raises(asyncio.TimeoutError):
+                    await session.post(f"{srv.url}/retrieve", json={"queries": [query]})
+
+            # The first occupies the backend; the other two wait behind it and their clients leave.
+            await asyncio.gather(give_up("first"), give_up("second"), give_up("third"))
+        await asyncio.sleep(0.8)
+        status, raw = post(f"{srv.url}/retrieve", {"queries": ["music"]})
+        assert status == 200
+        with urllib.request.urlopen(f"{srv.url}/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
+    assert slow.seen == ["first", "music"]
+    assert 'retriever_errors_total{kind="client_gone"} 2.0' in metrics
 
 
 @pytest.mark.parametrize("window_ms", [0.0, 2.0])
@@ -347,11 +371,10 @@ def test_index_command_then_a_server_process_loads_it(tmp_path, corpus_file, pas
     assert proc.proc.returncode is not None
 
 
-def test_other_corpus_with_the_same_index_is_refused(tmp_path, corpus_file, passages):
+def test_other_corpus_with_the_same_index_is_refused(tmp_path, corpus_file, passages, capsys):
     index_dir = tmp_path / "idx"
     BM25Backend.build(passages).save(index_dir)
     other = tmp_path / "other.jsonl"
     write_corpus(other, passages[:100])
-    with pytest.raises(SystemExit) as e:
-        cli.main(["serve", "--corpus", str(other), "--index", str(index_dir), "--port", "0"])
-    assert e.value.code == 2
+    assert cli.main(["serve", "--corpus", str(other), "--index", str(index_dir), "--port", "0"]) == 2
+    assert "built for another corpus" in capsys.readouterr().err
