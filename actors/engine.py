@@ -93,11 +93,18 @@ def cpu_engine_env(cfg: RolloutConfig) -> dict[str, str]:
 def _tensor_dict(weights: Mapping[str, Any]) -> dict[str, Any]:
     """Name -> contiguous torch tensor. Tied parameters (one storage under two names, e.g. lm_head and the
     embedding) are kept once: the loader re-ties them, and safetensors refuses shared storage."""
+    import warnings
+
     import torch
 
     out, seen = {}, set()
     for name, w in weights.items():
-        t = torch.from_numpy(np.ascontiguousarray(w)) if isinstance(w, np.ndarray) else w
+        if isinstance(w, np.ndarray):
+            with warnings.catch_warnings():  # object-store arrays are read-only; they are only read here
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                t = torch.from_numpy(np.ascontiguousarray(w))
+        else:
+            t = w
         key = (t.data_ptr(), t.dtype, tuple(t.shape))
         if key in seen:
             continue

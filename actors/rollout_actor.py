@@ -101,6 +101,16 @@ class RolloutActor:
         self._updates.append(rec)
         return rec
 
+    async def evaluate(self, files: list[str], limit: int = 0) -> dict:
+        """Greedy episodes on held-out questions with this actor's engine (current weights); scores by source."""
+        from actors.stack import run_greedy, score_episodes
+
+        assert self.worker is not None, "call setup() first"
+        examples, _ = read_qa_files(files, self.cfg.data.on_bad_row)
+        examples = examples[:limit] if limit else examples
+        trajs = await run_greedy(self.worker.runner, examples, self.cfg.rollout.max_concurrent_episodes)
+        return score_episodes(trajs, self.worker.runner.tokenizer)
+
     def stats(self) -> dict:
         s = self.worker.stats.as_dict() if self.worker else {}
         s["index"] = self.index

@@ -73,12 +73,14 @@ class WorkerStats:
     searches: int = 0
     search_errors: int = 0
     reward_sum: float = 0.0
+    reward_component_sums: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
     started_at: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("finish_reasons", "started_at")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("finish_reasons", "reward_component_sums", "started_at")}
         d["finish_reasons"] = dict(self.finish_reasons)
+        d["reward_component_sums"] = dict(self.reward_component_sums)
         d["elapsed_s"] = time.monotonic() - self.started_at
         d["running"] = self.started - self.finished - self.failed
         return d
@@ -178,6 +180,7 @@ class RolloutWorker:
         s.searches += traj.meta.num_searches
         s.search_errors += traj.meta.num_search_errors
         s.reward_sum += traj.reward
+        s.reward_component_sums.update(traj.reward_components)
         s.finish_reasons[traj.meta.finish_reason] += 1
         await self._outbox.put(traj)
 

@@ -10,6 +10,7 @@ Subcommands (``async-agent-rl COMMAND --help`` for each)::
     prepare          world + model for a config, idempotent (what the README's run command does first)
     rollout          run episodes with the current model and write them as JSON lines
     show             print episodes turn by turn, observations marked, with the loss mask
+    train            the whole asynchronous system on Ray (the main job)
     eval             greedy exact match / F1 / searches / turns of a checkpoint on held-out questions
 """
 
@@ -84,6 +85,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     for line in prepare(cfg, force=args.force):
         print(line)
     return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from async_agent_rl.train import Trainer
+
+    cfg = _config(args)
+    summary = Trainer(cfg).run()
+    return 0 if summary.get("steps", 0) >= cfg.learner.total_steps else 1
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -207,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true", help="rebuild even if present")
     _add_config_args(prep)
     prep.set_defaults(func=cmd_prepare)
+
+    tr = sub.add_parser("train", help="asynchronous RL on Ray: retriever, buffer, rollout actors, learner")
+    _add_config_args(tr)
+    tr.set_defaults(func=cmd_train)
 
     ro = sub.add_parser("rollout", help="run episodes with the current model, write JSON lines")
     ro.add_argument("--num-episodes", type=int, default=8)

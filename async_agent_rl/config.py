@@ -231,12 +231,20 @@ class WeightSyncConfig(_Section):
 
 
 class SFTConfig(_Section):
+    enabled: bool = Field(False, description="train: supervised warm start on demonstrations before RL")
     num_demos: int = Field(2000, ge=1)
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
     seed: int = 0
+
+
+class EvalConfig(_Section):
+    num_questions: int = Field(200, ge=0, description="held-out questions per evaluation (0 = all)")
+    at_start: bool = True
+    at_end: bool = True
+    every_steps: int = Field(0, ge=0, description="also evaluate every k learner steps (0 = start and end only)")
 
 
 class MonitoringConfig(_Section):
@@ -277,6 +285,7 @@ class Config(_Section):
     learner: LearnerConfig = LearnerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     sft: SFTConfig = SFTConfig()
+    eval: EvalConfig = EvalConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
     cluster: ClusterConfig = ClusterConfig()
 

@@ -1,0 +1,259 @@
+"""``async-agent-rl train``: the whole system on Ray.
+
+The driver's loop, top to bottom::
+
+    prepare inputs        world + tiny model if the config asks; SFT warm start if sft.enabled
+    start components      Ray, retriever server, replay buffer, learner rank(s), N rollout actors
+    evaluate (start)      greedy exact match on held-out questions with the starting weights
+    start rollouts        every actor runs episodes continuously (no batch barrier), admission-controlled
+    for each step:        sample a batch (waits while the buffer has too few fresh groups)
+                          learner step (proximal log-probs, advantages, importance-corrected PPO)
+                          every k steps: bump the version, publish weights to every actor
+                          log metrics, checkpoint
+    stop rollouts, evaluate (end), save the final policy, plots
+
+Everything the run produces lands in ``run_dir`` (``run.output_dir/run.name``): ``config.yaml`` (resolved),
+``metrics.jsonl`` (one line per step), ``eval.jsonl``, ``checkpoints/``, ``final/``, ``plots/*.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from async_agent_rl.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class RunLog:
+    """Appends JSON lines and prints one progress line per step."""
+
+    def __init__(self, run_dir: Path, quiet: bool = False):
+        self.run_dir = run_dir
+        self.quiet = quiet
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(self, name: str, record: dict) -> None:
+        with open(self.run_dir / name, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(text, flush=True)
+
+
+def _ray_init(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **cfg.cluster.env_vars}
+    if cfg.run.device == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    # the driver's working directory holds the project: actors import it from there (ray job submit sets it too)
+    runtime_env = {"env_vars": env}
+    if cfg.cluster.ray_address:
+        ray.init(address=cfg.cluster.ray_address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path | None = None, quiet: bool = False):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or cfg.run_dir)
+        self.log = RunLog(self.run_dir, quiet)
+        self.policy_path = cfg.model.path
+        self.version = 0
+        self.step = 0
+        self.history: list[dict] = []
+
+    # --------------------------------------------------------------------------------------------- the loop
+    def run(self) -> dict:
+        cfg = self.cfg
+        cfg.save(self.run_dir / "config.yaml")
+        self.prepare_inputs()
+        with ExitStack() as stack:
+            self.start_components(stack)
+            start = self.evaluate("start") if cfg.eval.at_start else None
+            self.start_rollouts()
+            t0 = time.monotonic()
+            while self.step < cfg.learner.total_steps:
+                self.train_step(t0)
+                if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.learner.total_steps:
+                    self.evaluate(f"step {self.step}")
+            rollout = self.stop_rollouts()
+            end = self.evaluate("end") if cfg.eval.at_end else None
+            final = self.save(self.run_dir / "final")
+            summary = self.summary(start, end, rollout, time.monotonic() - t0, final)
+        self.plots()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def prepare_inputs(self) -> None:
+        from async_agent_rl.prepare import prepare
+
+        for line in prepare(self.cfg):
+            self.log.say(f"[prepare] {line}")
+        if self.cfg.sft.enabled:
+            sft_dir = self.run_dir / "sft"
+            if not (sft_dir / "config.json").is_file():
+                from learner.sft import run_sft
+
+                self.log.say(f"[sft] warm start on {self.cfg.sft.num_demos} demonstrations -> {sft_dir}")
+                res = run_sft(self.cfg, self.cfg.model.path, sft_dir)
+                self.log.say(f"[sft] done: {json.dumps({k: v for k, v in res.items() if not isinstance(v, (list, dict))})}")
+            else:
+                self.log.say(f"[sft] warm start present: {sft_dir}")
+            self.policy_path = str(sft_dir)
+
+    def start_components(self, stack: ExitStack) -> None:
+        import ray
+
+        from actors.rollout_actor import create_rollout_actors
+        from actors.stack import retriever_url
+        from buffer.actor import create_buffer_actor
+        from learner.actor import create_learner_group
+        from learner.weight_sync import create_publisher
+
+        cfg = self.cfg
+        _ray_init(cfg)
+        stack.callback(ray.shutdown)
+        self.url = stack.enter_context(retriever_url(cfg))
+        self.log.say(f"[start] retriever {self.url}")
+        self.buffer = create_buffer_actor(cfg)
+        learner_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": self.policy_path})})
+        self.learner = create_learner_group(learner_cfg)
+        self.actors = create_rollout_actors(cfg, self.buffer, self.url, self.policy_path, self.version)
+        infos = ray.get([a.setup.remote() for a in self.actors])
+        self.publisher = create_publisher(cfg.weight_sync.method, self.actors)
+        self.pad_id = self._pad_id()
+        self.log.say(f"[start] buffer, {cfg.learner.num_ranks} learner rank(s), rollout actors {infos}")
+
+    def _pad_id(self) -> int:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.policy_path)
+        return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+    def start_rollouts(self) -> None:
+        import ray
+
+        ray.get([a.start.remote() for a in self.actors])
+
+    def train_step(self, t0: float) -> None:
+        import ray
+
+        cfg = self.cfg
+        wait0 = time.monotonic()
+        batch = None
+        while batch is None:
+            batch = ray.get(self.buffer.sample_batch.remote(cfg.learner.batch_size, self.version, self.pad_id))
+            if batch is None:
+                time.sleep(0.05)
+        wait_s = time.monotonic() - wait0
+        metrics = self.learner.train_step(batch)
+        self.step += 1
+        publish = {}
+        if self.step % cfg.weight_sync.every_steps == 0:
+            self.version = self.learner.bump_version()
+            publish = self.publisher.publish(self.version, self.learner.state_dict_ref()).as_metrics()
+        if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
+            self.checkpoint()
+        rollout = [ray.get(a.stats.remote()) for a in self.actors]
+        buffer = ray.get(self.buffer.stats.remote())
+        record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
+        self.history.append(record)
+        self.log.write("metrics.jsonl", record)
+        self.log.say(
+            f"step {self.step:4d} v{self.version}  reward {record['batch_reward']:.3f}  "
+            f"rollout EM {record['rollout_exact_match']:.3f}  loss {metrics.get('policy_loss', float('nan')):+.4f}  "
+            f"{record['episodes_per_s']:.2f} ep/s  {record['gen_tokens_per_s']:.0f} tok/s  "
+            f"stale {metrics.get('staleness_mean', 0):.2f}/{metrics.get('staleness_max', 0):.0f}  "
+            f"buffer {buffer.get('size', 0)}  evicted {sum(buffer.get('evicted', {}).values())}  wait {wait_s:.1f}s"
+        )
+
+    def _record(self, metrics: dict, publish: dict, rollout: list[dict], buffer: dict, wait_s: float, elapsed: float) -> dict:
+        finished = sum(r.get("finished", 0) for r in rollout)
+        em_sum = sum(r.get("reward_component_sums", {}).get("exact_match", 0.0) for r in rollout)
+        prev = self.history[-1] if self.history else {"episodes_total": 0, "em_sum_total": 0.0}
+        new_eps = finished - prev["episodes_total"]
+        return {
+            "step": self.step,
+            "version": self.version,
+            "elapsed_s": elapsed,
+            "batch_reward": metrics.get("reward_mean", 0.0),
+            "rollout_exact_match": (em_sum - prev["em_sum_total"]) / new_eps if new_eps else prev.get("rollout_exact_match", 0.0),
+            "episodes_total": finished,
+            "em_sum_total": em_sum,
+            "episodes_per_s": finished / elapsed if elapsed > 0 else 0.0,
+            "gen_tokens_per_s": sum(r.get("generated_tokens", 0) for r in rollout) / elapsed if elapsed > 0 else 0.0,
+            "sample_wait_s": wait_s,
+            "buffer_size": buffer.get("size", 0),
+            "buffer_evicted": buffer.get("evicted", {}),
+            "learner": metrics,
+            "publish": publish,
+        }
+
+    def evaluate(self, when: str) -> dict:
+        import ray
+
+        cfg = self.cfg
+        t = time.monotonic()
+        scores = ray.get(self.actors[0].evaluate.remote(cfg.data.test_files, cfg.eval.num_questions))
+        overall = scores["all"]
+        rec = {"when": when, "step": self.step, "version": self.version, "seconds": time.monotonic() - t, **scores}
+        self.log.write("eval.jsonl", rec)
+        self.log.say(
+            f"[eval {when}] held-out exact match {overall['exact_match']:.3f}  F1 {overall['f1']:.3f}  "
+            f"searches/q {overall['searches_per_question']:.2f}  turns/q {overall['turns_per_question']:.2f}  "
+            f"(n={overall['n']}, {rec['seconds']:.0f}s)"
+        )
+        return rec
+
+    def stop_rollouts(self) -> list[dict]:
+        import ray
+
+        return ray.get([a.stop.remote() for a in self.actors])
+
+    def checkpoint(self) -> str:
+        path = self.learner.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}")
+        self.log.say(f"[checkpoint] {path}")
+        return path
+
+    def save(self, directory: Path) -> str:
+        return self.learner.save_checkpoint(directory)
+
+    def summary(self, start: dict | None, end: dict | None, rollout: list[dict], seconds: float, final: str) -> dict:
+        s: dict[str, Any] = {
+            "run_dir": str(self.run_dir),
+            "steps": self.step,
+            "version": self.version,
+            "train_seconds": seconds,
+            "final_checkpoint": final,
+            "episodes": sum(r.get("finished", 0) for r in rollout),
+            "episodes_failed": sum(r.get("failed", 0) for r in rollout),
+        }
+        if start:
+            s["exact_match_start"] = start["all"]["exact_match"]
+        if end:
+            s["exact_match_end"] = end["all"]["exact_match"]
+        self.log.say("[done] " + json.dumps(s))
+        return s
+
+    def plots(self) -> None:
+        from async_agent_rl.plots import plot_run
+
+        for p in plot_run(self.run_dir):
+            self.log.say(f"[plot] {p}")
+
+
+def train(cfg: Config, quiet: bool = False) -> dict:
+    return Trainer(cfg, quiet=quiet).run()
