@@ -22,7 +22,7 @@ import logging
 import sys
 from pathlib import Path
 
-from async_agent_rl.config import Config, ConfigError, load_config
+from async_agent_rl.config import Config, ConfigError, config_reference, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(show)
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_config_show)
+    ref = p.add_parser("reference", help="print the Markdown reference of every config key (docs/CONFIG.md)")
+    ref.set_defaults(func=lambda args: print(config_reference()) or 0)
 
     data = sub.add_parser("data", help="datasets and corpora").add_subparsers(dest="action", required=True)
     mw = data.add_parser("make-world", help="generate the embedded search world")

@@ -111,3 +111,11 @@ def test_cli_config_show_rejects_unknown_key_with_path():
     r = _cli("config", "show", "--config", "configs/quickstart.yaml", "rollout.max_turn=3")
     assert r.returncode != 0
     assert "rollout.max_turn" in r.stderr
+
+
+def test_config_reference_doc_is_current():
+    from async_agent_rl.config import config_reference
+
+    doc = (REPO / "docs" / "CONFIG.md").read_text()
+    assert doc.strip() == config_reference().strip(), "regenerate: async-agent-rl config reference > docs/CONFIG.md"
+    assert "`algorithm.clip_ratio_high`" in doc and "`buffer.max_staleness`" in doc

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's run command: set up (idempotent), then train on the embedded default task.
+# Extra arguments are config overrides, e.g. `bash scripts/run.sh learner.total_steps=5`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# shellcheck disable=SC1091
+. "${AAR_VENV:-.venv}/bin/activate"
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+exec async-agent-rl train --config configs/quickstart.yaml "$@"
