@@ -1,0 +1,108 @@
+"""The learner as Ray actors: one ``LearnerActor`` per rank, a thin shell around ``Learner``.
+
+``create_learner_group(cfg)`` starts ``learner.num_ranks`` actors with resources from ``cluster.learner_cpus`` /
+``cluster.learner_gpus`` and the torch.distributed environment of their rank (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR=127.0.0.1, MASTER_PORT), so DeepSpeed joins them with gloo on CPU (NCCL on GPU). All ranks run on the
+node of the driver's loopback address: a multi-node learner needs rank 0's routable address as MASTER_ADDR.
+
+Every collective method (``train_step``, ``state_dict_for_publish`` under ZeRO-3, checkpoints) must be called on all
+ranks together; ``LearnerGroup`` does that and returns rank 0's answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import ray
+
+from async_agent_rl.batch import TrainBatch
+from async_agent_rl.config import Config
+from learner.checkpoint import load_checkpoint, save_checkpoint
+from learner.learner import Learner, free_port
+
+
+class LearnerActor:
+    """One learner rank (the environment of its rank is set by ``create_learner_group``)."""
+
+    def __init__(self, cfg: Config):
+        self.learner = Learner(cfg)
+
+    def rank(self) -> int:
+        return self.learner.rank
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.learner.train_step(batch)
+
+    def bump_version(self) -> int:
+        return self.learner.bump_version()
+
+    def state_dict_for_publish(self) -> Optional[dict[str, np.ndarray]]:
+        """Rank 0: the numpy state dict; other ranks: None (they take part in the ZeRO-3 gather only)."""
+        state = self.learner.state_dict_for_publish()
+        return state if self.learner.rank == 0 else None
+
+    def save_checkpoint(self, directory: str) -> str:
+        return str(save_checkpoint(self.learner, directory))
+
+    def load_checkpoint(self, directory: str) -> None:
+        load_checkpoint(self.learner, directory)
+
+
+def rank_env(rank: int, world_size: int, master_port: int, device: str) -> dict[str, str]:
+    # LOCAL_RANK 0: Ray gives each GPU actor its own GPU as cuda:0 (CUDA_VISIBLE_DEVICES)
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def create_learner_actors(cfg: Config) -> list[Any]:
+    """Start the ``learner.num_ranks`` rank actors (not waiting for them to be ready)."""
+    world_size, port = cfg.learner.num_ranks, free_port()
+    actor_cls = ray.remote(num_cpus=cfg.cluster.learner_cpus, num_gpus=cfg.cluster.learner_gpus)(LearnerActor)
+    return [
+        actor_cls.options(runtime_env={"env_vars": {**cfg.cluster.env_vars,
+                                                    **rank_env(rank, world_size, port, cfg.run.device)}}).remote(cfg)
+        for rank in range(world_size)
+    ]
+
+
+class LearnerGroup:
+    """Drives all rank actors together; returns rank 0's results."""
+
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
+
+    def ready(self) -> list[int]:
+        return ray.get([a.rank.remote() for a in self.actors])
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        ref = ray.put(batch)  # one copy in the object store for all ranks
+        return self._all("train_step", ref)[0]
+
+    def bump_version(self) -> int:
+        return self._all("bump_version")[0]
+
+    def state_dict_ref(self) -> "ray.ObjectRef":
+        """A reference to rank 0's numpy state dict, for ``ObjectStorePublisher.publish`` (no driver copy)."""
+        refs = [a.state_dict_for_publish.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        return refs[0]
+
+    def save_checkpoint(self, directory: str | Path) -> str:
+        return self._all("save_checkpoint", str(directory))[0]
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        self._all("load_checkpoint", str(directory))
+
+
+def create_learner_group(cfg: Config) -> LearnerGroup:
+    group = LearnerGroup(create_learner_actors(cfg))
+    group.ready()
+    return group
