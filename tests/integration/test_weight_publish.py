@@ -1,0 +1,91 @@
+"""A learner's published version reaches a REAL vLLM engine through the Ray object store and changes its greedy
+output: the learner trains one response until it is the model's greedy continuation of its prompt, publishes, and
+the engine (in a Ray actor, vLLM CPU build, in-process engine core) now generates exactly that response, with the
+new version stamped on its tokens. The publish latency is recorded."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import ray
+
+from actors.engine import TurnRequest, VLLMEngine
+from async_agent_rl.batch import pack_batch
+from async_agent_rl.config import Config, build_config
+from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
+from learner.learner import Learner
+from learner.weight_sync import ObjectStorePublisher
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [101, 102, 103, 104]
+TARGET = [501, 502, 503, 504, 505, 506]
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class EngineHost:
+    """The smallest rollout actor: a vLLM engine with the ``update_weights`` method publishers call."""
+
+    async def start(self, model_dir: str, cfg: Config) -> int:
+        self.engine = await VLLMEngine.create(model_dir, cfg)
+        return self.engine.version
+
+    async def update_weights(self, version: int, weights):
+        return await self.engine.update_weights(version, weights, mode="pause")
+
+    async def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
+        out = await self.engine.generate(TurnRequest(prompt, max_tokens=n, temperature=0.0, stop=()))
+        return out.token_ids, out.versions
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # FIELD-NOTES: a local init would otherwise leave token auth behind
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_dir):
+    cfg = build_config({
+        "model": {"path": str(tiny_model_dir), "max_model_len": 256},
+        "learner": {"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1, "ppo_epochs": 2, "lr": 1e-3},
+        "algorithm": {"advantage_estimator": "grpo", "policy_loss": "decoupled_ppo"},
+    })
+    host = ray.remote(num_cpus=0)(EngineHost).options(runtime_env={"env_vars": VLLM_ENV}).remote()
+    assert ray.get(host.start.remote(str(tiny_model_dir), cfg), timeout=300) == 0
+    before, _ = ray.get(host.greedy.remote(PROMPT, len(TARGET)))
+    assert before != TARGET
+
+    # one rewarded episode (a group of one keeps its raw score): its response becomes the greedy one
+    n = len(TARGET)
+    episode = Trajectory(prompt_ids=PROMPT, response_ids=TARGET, loss_mask=[1] * n, behavior_logprobs=[-8.0] * n,
+                         versions=[0] * n, turns=[TurnSpan("model", 0, n)], reward=1.0, meta=EpisodeMeta())
+    batch = pack_batch([episode], pad_id=0)
+    learner = Learner(cfg)
+    for _ in range(6):
+        learner.train_step(batch)
+
+    publisher = ObjectStorePublisher([host])
+    state = learner.state_dict_for_publish()
+    stats = publisher.publish(learner.bump_version(), state)
+    after, versions = ray.get(host.greedy.remote(PROMPT, n))
+    assert after == TARGET
+    assert versions == [1] * n
+
+    assert stats.version == 1 and stats.num_actors == 1
+    assert stats.bytes == sum(a.nbytes for a in state.values())
+    assert 0 < stats.put_seconds <= stats.seconds and 0 < stats.actor_seconds[0] <= stats.seconds
+    assert stats.as_metrics()["publish_latency_s"] == stats.seconds
+
+    # a reference from the object store is forwarded as it is (the path a learner actor's state takes)
+    stats = publisher.publish(learner.bump_version(), ray.put(state))
+    assert stats.bytes == -1 and ray.get(host.greedy.remote(PROMPT, n))[1] == [2] * n
+    ray.get(host.close.remote())
