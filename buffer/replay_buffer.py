@@ -415,20 +415,11 @@ class ReplayBuffer:
             buf.counters.update(state["counters"])
             buf.evicted.update(state["evicted"])
             buf.staleness_histogram.update({int(k): int(v) for k, v in state["staleness_histogram"]})
-            for kind in ("ready", "pending"):
-                for gs in state[kind]:
-                    group = _Group(gs["gid"], first_at=now - gs["age_s"], rejected=gs["rejected"], overdue=gs["overdue"])
-                    for blob, age in gs["items"]:
-                        _, item = _peek(blob)
-                        item.pushed_at = now - age
-                        group.items.append(item)
-                        buf._size += 1
-                        buf._tokens += item.tokens
-                        buf._bytes += len(blob)
-                    if kind == "ready":
-                        buf._release(group)
-                    else:
-                        buf._pending[group.gid] = group
+            for gs in state["ready"]:
+                buf._release(buf._restored_group(gs, now))
+            for gs in state["pending"]:
+                group = buf._restored_group(gs, now)
+                buf._pending[group.gid] = group
             extra = dict(state["extra"])
         except SnapshotError:
             raise
@@ -440,6 +431,18 @@ class ReplayBuffer:
                 f"capacity_trajectories={config.capacity_trajectories} / capacity_tokens={config.capacity_tokens}"
             )
         return buf, extra
+
+
+    def _restored_group(self, gs: dict[str, Any], now: float) -> _Group:
+        group = _Group(gs["gid"], first_at=now - gs["age_s"], rejected=gs["rejected"], overdue=gs["overdue"])
+        for blob, age in gs["items"]:
+            _, item = _peek(blob)
+            item.pushed_at = now - age
+            group.items.append(item)
+            self._size += 1
+            self._tokens += item.tokens
+            self._bytes += len(blob)
+        return group
 
 
 # -------------------------------------------------------------------------------------------------- snapshot file
@@ -477,9 +480,8 @@ def _read_snapshot(path: Path) -> dict[str, Any]:
     if fmt != _FORMAT:
         raise SnapshotError(f"replay buffer snapshot {path} has format {fmt}, this build reads format {_FORMAT}")
     if len(data) != head + length + _DIGEST:
-        raise SnapshotError(
-            f"replay buffer snapshot {path} is truncated or padded: {len(data)} bytes, expected {head + length + _DIGEST}"
-        )
+        expected = head + length + _DIGEST
+        raise SnapshotError(f"replay buffer snapshot {path} is truncated or padded: {len(data)} bytes, not {expected}")
     payload = data[head : head + length]
     if hashlib.sha256(payload).digest() != data[head + length :]:
         raise SnapshotError(f"replay buffer snapshot {path} is corrupt: checksum mismatch")
