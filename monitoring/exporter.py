@@ -1,0 +1,202 @@
+"""Serve a registry over HTTP on loopback, and tell Prometheus where the servers are (file-based discovery).
+
+In any process (the driver, or inside a Ray actor's ``__init__``; the server is a daemon thread, so it needs no
+event loop and never blocks the actor)::
+
+    registry = new_registry()
+    rollout = RolloutMetrics(registry)
+    exporter = start_exporter(registry)      # 127.0.0.1, a free port
+    exporter.target                          # "127.0.0.1:PORT", for write_sd_file
+    ...
+    exporter.close()
+
+The driver collects every component's target (its own, each actor's, the retrieval server's ``host:port``) and
+rewrites the discovery file whenever the set changes (an actor restarted on a new port)::
+
+    write_sd_file(run_dir / "prometheus" / "targets.json", {"driver": [exporter.target], "retriever": [...]})
+
+Prometheus re-reads that file by itself (``file_sd_configs``); ``prometheus_config`` writes a config pointing at it,
+and ``monitoring/prometheus.yml`` is the same config shipped with a relative ``targets.json``.
+
+``RunMonitoring.start(folder)`` bundles the driver's side: one registry with every updater, its exporter, and
+``folder/targets.json`` plus ``folder/prometheus.yml``. Where the metrics live is a choice: the driver can feed the
+updaters from the ``stats()`` it already polls (one target; restarts of actors show as totals going down, which
+the updaters handle), or an actor can hold its own registry and exporter and hand ``exporter.target`` to the
+driver for ``set_targets`` (one target per process; Prometheus's ``instance`` label tells them apart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+LOOPBACK = "127.0.0.1"
+JOB_LABEL = "job"
+DEFAULT_SCRAPE_INTERVAL = "5s"
+SD_REFRESH_INTERVAL = "5s"
+
+
+@dataclass
+class Exporter:
+    """A running ``/metrics`` server (any path answers with the registry's text format)."""
+
+    registry: CollectorRegistry
+    host: str
+    port: int
+    _server: object = field(repr=False)
+    _thread: threading.Thread = field(repr=False)
+
+    @property
+    def target(self) -> str:
+        """``host:port``, as a Prometheus target."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and free the port (idempotent)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+            self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> "Exporter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_exporter(registry: CollectorRegistry, port: int = 0, host: str = LOOPBACK) -> Exporter:
+    """Serve ``registry`` on ``host:port`` from a daemon thread; ``port=0`` picks a free port. Returns the
+    :class:`Exporter` with the bound port. Only loopback addresses are accepted."""
+    if host not in (LOOPBACK, "localhost"):
+        raise ValueError(f"exporters bind loopback only, not {host!r}")
+    server, thread = start_http_server(port, addr=LOOPBACK, registry=registry)
+    bound = server.server_address[1]
+    return Exporter(registry, LOOPBACK, int(bound), server, thread)
+
+
+def sd_groups(targets: Mapping[str, Sequence[str]]) -> list[dict]:
+    """Prometheus file-sd target groups: one group per job, ``labels: {job: name}`` (a target group's ``job``
+    label overrides the scrape config's job name)."""
+    groups = []
+    for job, addrs in sorted(targets.items()):
+        addrs = [str(a) for a in addrs]
+        for a in addrs:
+            if "://" in a or "/" in a or ":" not in a:
+                raise ValueError(f"target {a!r} of job {job!r} must be host:port")
+        if addrs:
+            groups.append({"targets": sorted(set(addrs)), "labels": {JOB_LABEL: str(job)}})
+    return groups
+
+
+def write_sd_file(path: str | os.PathLike, targets: Mapping[str, Sequence[str]]) -> Path:
+    """Write ``targets`` (job name -> ``["127.0.0.1:port", ...]``) as a file-sd JSON file, atomically (a temp file
+    in the same folder, then ``os.replace``), so Prometheus never reads half a file. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(sd_groups(targets), indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def prometheus_config(sd_file: str | os.PathLike, scrape_interval: str = DEFAULT_SCRAPE_INTERVAL,
+                      job_name: str = "async_agent_rl", refresh_interval: Optional[str] = None) -> str:
+    """The text of a ``prometheus.yml`` scraping every target listed in ``sd_file`` (relative paths resolve
+    against the config file's folder). ``scrape_interval`` is a Prometheus duration (``"1s"``, ``"5s"``)."""
+    refresh = refresh_interval or SD_REFRESH_INTERVAL
+    # JSON strings are valid YAML scalars: quoting this way is safe for any path.
+    return (
+        "# Prometheus scrape config for async_agent_rl (written by monitoring.exporter.prometheus_config).\n"
+        "global:\n"
+        f"  scrape_interval: {scrape_interval}\n"
+        f"  evaluation_interval: {scrape_interval}\n"
+        "scrape_configs:\n"
+        f"  - job_name: {json.dumps(job_name)}\n"
+        "    metrics_path: /metrics\n"
+        "    file_sd_configs:\n"
+        f"      - files: [{json.dumps(str(sd_file))}]\n"
+        f"        refresh_interval: {refresh}\n"
+    )
+
+
+# ------------------------------------------------------------------------------------------- a run's monitoring
+class RunMonitoring:
+    """The driver's side of monitoring for one run, in ``folder`` (e.g. ``RUN_DIR/prometheus``): one registry
+    with every updater (``rollout``, ``buffer``, ``learner``, ``driver``, ``eval``), its exporter, and the discovery
+    file ``targets.json`` with a ``prometheus.yml`` beside it (relative path, so the folder can be moved)::
+
+        mon = RunMonitoring.start(run_dir / "prometheus")
+        mon.set_targets("retriever", ["127.0.0.1:8000"])     # and any actor-hosted exporters
+        ...  # in the loop:
+        mon.rollout.update(stats); mon.buffer.update(buffer_stats); mon.learner.update(step_metrics)
+        mon.driver.observe_publish(publish.as_metrics()); mon.eval.update(scores, split="heldout", step=step)
+        mon.close()
+
+    Then ``prometheus --config.file=RUN_DIR/prometheus/prometheus.yml`` scrapes the run."""
+
+    def __init__(self, folder: str | os.PathLike, exporter: Exporter, updaters: dict, job: str,
+                 scrape_interval: str):
+        self.folder = Path(folder)
+        self.exporter = exporter
+        self.registry = exporter.registry
+        self.updaters = updaters
+        self.rollout, self.buffer, self.learner = updaters["rollout"], updaters["buffer"], updaters["learner"]
+        self.driver, self.eval = updaters["driver"], updaters["eval"]
+        self.sd_file = self.folder / "targets.json"
+        self.config_file = self.folder / "prometheus.yml"
+        self._targets: dict[str, list[str]] = {job: [exporter.target]}
+        self.config_file.write_text(prometheus_config(self.sd_file.name, scrape_interval))
+        write_sd_file(self.sd_file, self._targets)
+
+    @classmethod
+    def start(cls, folder: str | os.PathLike, scrape_interval: str = DEFAULT_SCRAPE_INTERVAL, port: int = 0,
+              job: str = "driver") -> "RunMonitoring":
+        from monitoring.metrics import new_registry, register_all
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        registry = new_registry()
+        updaters = register_all(registry)
+        return cls(folder, start_exporter(registry, port), updaters, job, scrape_interval)
+
+    @property
+    def targets(self) -> dict[str, list[str]]:
+        return {k: list(v) for k, v in self._targets.items()}
+
+    def set_targets(self, job: str, targets: Sequence[str]) -> None:
+        """Replace ``job``'s targets (an empty list removes the job) and rewrite the discovery file."""
+        if targets:
+            self._targets[job] = [str(t) for t in targets]
+        else:
+            self._targets.pop(job, None)
+        write_sd_file(self.sd_file, self._targets)
+
+    def close(self) -> None:
+        self.exporter.close()
+
+    def __enter__(self) -> "RunMonitoring":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

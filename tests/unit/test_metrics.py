@@ -1,0 +1,371 @@
+"""Metric names, the stats -> metrics updaters, the reference doc and the dashboard (no network here; the exporter
+over real HTTP and a real Prometheus are in tests/integration/test_exporter_prometheus.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from actors.rollout_worker import WorkerStats
+from async_agent_rl.config import BufferConfig
+from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
+from async_agent_rl.retriever import server as retriever_server
+from async_agent_rl.staleness import AdmissionState
+from buffer.replay_buffer import ReplayBuffer
+from monitoring import build_dashboard, metrics as M
+from monitoring.exporter import prometheus_config, sd_groups, write_sd_file
+from monitoring.prom import DASHBOARD, dashboard_queries, expand_grafana_vars
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def value(reg: CollectorRegistry, name: str, **labels) -> float | None:
+    return reg.get_sample_value(name, labels)
+
+
+def rollout_stats(index=0, elapsed=10.0, **totals) -> dict:
+    """The dict RolloutActor.stats() returns: WorkerStats.as_dict() plus index, version, search, weight_updates."""
+    ws = WorkerStats()
+    for k, v in totals.items():
+        if k != "finish_reasons":
+            setattr(ws, k, v)
+    ws.finish_reasons.update(totals.get("finish_reasons", {}))
+    d = ws.as_dict()
+    d["elapsed_s"] = elapsed
+    d.update(index=index, version=0, search={"requests": 0, "attempts": 0, "retries": 0, "failures": 0,
+                                             "errors_timeout": 0, "errors_connection": 0,
+                                             "errors_http_status": 0, "errors_bad_reply": 0},
+             weight_updates=[], done=False)
+    return d
+
+
+# ------------------------------------------------------------------------------------------------------ names
+def test_every_constant_is_defined_once_with_prefix_and_type():
+    constants = {k: v for k, v in vars(M).items()
+                 if k.isupper() and k != "PREFIX" and isinstance(v, str) and v.startswith(M.PREFIX)}
+    assert sorted(constants.values()) == sorted(M.SPECS), "every aar_ constant is in SPECS and vice versa"
+    assert len(set(constants.values())) == len(constants), "two constants share a name"
+    for spec in M.SPECS.values():
+        assert re.fullmatch(r"aar_[a-z0-9_]+", spec.name)
+        assert spec.kind in (M.COUNTER, M.GAUGE, M.HISTOGRAM)
+        assert spec.help and spec.component in M.COMPONENTS
+        assert spec.name.endswith("_total") == (spec.kind == M.COUNTER)
+    with pytest.raises(ValueError, match="defined twice"):
+        M._define("learner", M.LEARNER_STEP, M.GAUGE, "again")
+    with pytest.raises(ValueError, match="must start with"):
+        M._define("learner", "aar_buffer_something_new", M.GAUGE, "wrong component")
+    with pytest.raises(ValueError, match="_total"):
+        M._define("learner", "aar_learner_something_new", M.COUNTER, "a counter without _total")
+
+
+def test_all_updaters_share_one_registry_and_registering_twice_fails():
+    reg = M.new_registry()
+    M.register_all(reg)
+    with pytest.raises(ValueError, match="Duplicated"):
+        M.RolloutMetrics(reg)
+    with pytest.raises(ValueError, match="Duplicated"):
+        M.LearnerMetrics(reg)
+
+
+def test_every_metric_is_fed_by_some_updater():
+    """After one complete dict per component, every SPECS name is in the exposition (no dead metric)."""
+    reg = M.new_registry()
+    u = M.register_all(reg)
+    s = rollout_stats(started=3, finished=2, generated_tokens=40, reward_sum=1.0,
+                      finish_reasons={"answer": 2})
+    s.update(turns=5, exact_match_sum=1.0,
+             weight_updates=[{"version": 1, "seconds": 0.2, "pause_seconds": 0.05}])
+    u["rollout"].update(s)
+    u["buffer"].update(buffer_stats()[0])
+    u["learner"].update(learner_dict(step=1, gae=True))
+    u["driver"].observe_publish({"publish_latency_s": 0.3, "publish_put_s": 0.1, "publish_bytes": 1e6,
+                                 "publish_version": 1.0})
+    u["driver"].update({"lost_episodes": 0, "actor_restarts": {"0": 0}})
+    u["eval"].update({"all": {"n": 10, "exact_match": 0.5, "f1": 0.6, "searches_per_question": 1.2,
+                              "turns_per_question": 2.0}}, split="heldout", step=0)
+    text = generate_latest(reg).decode()
+    samples = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    missing = [n for n in M.SPECS if not any(x == n or x.startswith(n + "_") for x in samples)]
+    assert not missing, f"metrics no updater sets: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------------- rollout
+def test_rollout_counters_follow_monotonic_totals_per_actor():
+    reg = M.new_registry()
+    r = M.RolloutMetrics(reg)
+    r.update(rollout_stats(0, started=5, finished=4, failed=1, generated_tokens=100, reward_sum=2.0,
+                           finish_reasons={"answer": 3, "max_turns": 1}))
+    r.update(rollout_stats(1, started=2, finished=2, generated_tokens=30, reward_sum=0.0))
+    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 100
+    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="1") == 30
+    assert value(reg, M.ROLLOUT_EPISODES_FAILED, actor="0") == 1
+    assert value(reg, M.ROLLOUT_FINISH_REASONS, actor="0", reason="max_turns") == 1
+    assert value(reg, M.ROLLOUT_REWARD_MEAN, actor="0") == pytest.approx(0.5)
+    assert value(reg, M.ROLLOUT_RUNNING_EPISODES, actor="0") == 0  # 5 - 4 - 1
+    assert value(reg, M.SEARCH_ERRORS, actor="0", kind="timeout") == 0  # exported from the first sight
+
+    # the same dict again: nothing moves
+    r.update(rollout_stats(0, started=5, finished=4, failed=1, generated_tokens=100, reward_sum=2.0,
+                           finish_reasons={"answer": 3, "max_turns": 1}))
+    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 100
+    # totals grew: the counter grows by the difference; the reward mean covers only the new episodes
+    r.update(rollout_stats(0, elapsed=20.0, started=8, finished=6, failed=1, generated_tokens=160,
+                           reward_sum=4.0, finish_reasons={"answer": 5, "max_turns": 1}))
+    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 160
+    assert value(reg, M.ROLLOUT_FINISH_REASONS, actor="0", reason="answer") == 5
+    assert value(reg, M.ROLLOUT_REWARD_MEAN, actor="0") == pytest.approx(1.0)  # (4 - 2) / (6 - 4)
+    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="1") == 30
+
+
+def test_rollout_restart_counts_new_totals_and_counters_never_decrease():
+    reg = M.new_registry()
+    r = M.RolloutMetrics(reg)
+    r.update(rollout_stats(0, elapsed=50.0, started=10, finished=10, generated_tokens=500, reward_sum=5.0))
+    # restarted actor: totals went down -> all of them are new
+    r.update(rollout_stats(0, elapsed=1.0, started=3, finished=3, generated_tokens=60, reward_sum=3.0))
+    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 560
+    assert value(reg, M.ROLLOUT_REWARD_MEAN, actor="0") == pytest.approx(1.0)
+    # restarted and already past the old totals: caught by elapsed_s going down
+    r.update(rollout_stats(0, elapsed=0.5, started=12, finished=12, generated_tokens=700, reward_sum=6.0))
+    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 1260
+    assert value(reg, M.ROLLOUT_EPISODES_FINISHED, actor="0") == 25
+    # without elapsed_s: one total that went down marks the restart, and every total of that report is new
+    a = rollout_stats(1, started=10, finished=10, generated_tokens=100)
+    b = rollout_stats(1, started=2, finished=2, generated_tokens=100)
+    for d in (a, b):
+        del d["elapsed_s"]
+        r.update(d)
+    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="1") == 200
+    assert value(reg, M.ROLLOUT_EPISODES_STARTED, actor="1") == 12
+
+
+def test_rollout_optional_keys_weight_updates_and_search():
+    reg = M.new_registry()
+    r = M.RolloutMetrics(reg)
+    s = rollout_stats(0, started=4, finished=4)
+    r.update(s)
+    assert value(reg, M.ROLLOUT_TURNS, actor="0") is None  # not reported -> not exported (no false zero)
+    assert value(reg, M.ROLLOUT_EXACT_MATCH_MEAN, actor="0") is None
+    ups = [{"version": 1, "seconds": 0.2, "pause_seconds": 0.05}, {"version": 2, "seconds": 0.4, "pause_seconds": 0.1}]
+    s = rollout_stats(0, elapsed=11.0, started=8, finished=8)
+    s.update(turns=20, exact_match_sum=2.0, weight_updates=ups, version=2,
+             search={"requests": 9, "attempts": 11, "retries": 2, "failures": 1, "errors_timeout": 2,
+                     "errors_connection": 0, "errors_http_status": 0, "errors_bad_reply": 0})
+    r.update(s)
+    r.update(s)  # the same records again are not observed twice
+    assert value(reg, M.ROLLOUT_TURNS, actor="0") == 20
+    assert value(reg, M.ROLLOUT_EXACT_MATCH_MEAN, actor="0") == pytest.approx(0.5)  # 2 / 4 new episodes
+    assert value(reg, M.ROLLOUT_WEIGHT_UPDATE_SECONDS + "_count", actor="0") == 2
+    assert value(reg, M.ROLLOUT_WEIGHT_UPDATE_SECONDS + "_sum", actor="0") == pytest.approx(0.6)
+    assert value(reg, M.ROLLOUT_WEIGHT_VERSION, actor="0") == 2
+    assert value(reg, M.SEARCH_ERRORS, actor="0", kind="timeout") == 2
+    assert value(reg, M.SEARCH_RETRIES, actor="0") == 2
+    s["weight_updates"] = ups[1:] + [{"version": 3, "seconds": 0.1, "pause_seconds": 0.01}]
+    r.update(s)
+    assert value(reg, M.ROLLOUT_WEIGHT_UPDATE_SECONDS + "_count", actor="0") == 3
+    with pytest.raises(ValueError, match="index"):
+        r.update({"started": 1})
+
+
+# ----------------------------------------------------------------------------------------------------- buffer
+def traj(gid: str, member: int, version: int, n: int = 3) -> bytes:
+    return Trajectory(prompt_ids=[1, 2], response_ids=[5] * n, loss_mask=[1] * n, behavior_logprobs=[-0.1] * n,
+                      versions=[version] * n, turns=[TurnSpan("model", 0, n)],
+                      meta=EpisodeMeta(group_id=gid, trajectory_id=f"{gid}/{member}")).encode()
+
+
+def buffer_stats() -> tuple[dict, ReplayBuffer, AdmissionState]:
+    """A real ReplayBuffer: 3 groups of 2 at versions 0, 0, 1; one consumed at learner version 1 (staleness 1),
+    then the other version-0 group evicted stale at learner version 4 (eta = 2)."""
+    adm = AdmissionState(max_staleness=2, batch_size=2, max_concurrent=8, granule=2)
+    buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=16), 2, on_evict=adm.on_evicted)
+    adm.try_start(6, 0)
+    buf.push([traj("a", 0, 0), traj("a", 1, 0), traj("b", 0, 0), traj("b", 1, 0), traj("c", 0, 1),
+              traj("c", 1, 1)])
+    adm.on_finished(6, accepted=True)
+    return {**buf.stats(), "admission": adm.counters()}, buf, adm
+
+
+def test_buffer_metrics_from_a_real_replay_buffer():
+    stats, buf, adm = buffer_stats()
+    reg = M.new_registry()
+    b = M.BufferMetrics(reg)
+    b.update(stats)
+    assert value(reg, M.BUFFER_TRAJECTORIES) == 6
+    assert value(reg, M.BUFFER_PUSHED) == 6
+    assert value(reg, M.BUFFER_CAPACITY_TRAJECTORIES) == 16
+    assert value(reg, M.BUFFER_READY_GROUPS) == 3
+    assert value(reg, M.BUFFER_EVICTED, reason="stale") == 0  # every reason exported from the start
+    assert value(reg, M.ADMISSION_ACCEPTED) == 6
+
+    assert len(buf.sample(2, learner_version=1)) == 2  # group a, staleness 1
+    b.update({**buf.stats(), "admission": adm.counters()})
+    assert value(reg, M.BUFFER_SAMPLED) == 2
+    assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_bucket", le="0.0") == 0
+    assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_bucket", le="1.0") == 2
+    assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_count") == 2
+
+    assert len(buf.sample(2, learner_version=3)) == 2  # b (staleness 3) is evicted stale; c (staleness 2) comes
+    b.update({**buf.stats(), "admission": adm.counters()})
+    b.update({**buf.stats(), "admission": adm.counters()})  # twice: no double counting
+    assert value(reg, M.BUFFER_EVICTED, reason="stale") == 2
+    assert value(reg, M.ADMISSION_EVICTED) == 2
+    assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_count") == 4
+    assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_sum") == 2 * 1 + 2 * 2
+    assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_bucket", le="2.0") == 4
+    assert value(reg, M.BUFFER_TRAJECTORIES) == 0
+    assert value(reg, M.BUFFER_LEARNER_VERSION) == 3
+
+    # a buffer rebuilt from nothing: its small totals are new increments, the histogram keeps growing
+    fresh, _, _ = buffer_stats()
+    fresh["staleness_histogram"] = {0: 1}
+    b.update(fresh)
+    assert value(reg, M.BUFFER_PUSHED) == 12
+    assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_count") == 5
+    assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_bucket", le="0.0") == 1
+
+
+# ---------------------------------------------------------------------------------------------------- learner
+def learner_dict(step: int, gae: bool = False, **over) -> dict:
+    """The keys Learner.train_step returns under decoupled PPO without a KL term (gae adds the critic's)."""
+    d = {"policy_loss": 0.1, "entropy": 2.0, "clip_frac": 0.05, "dual_clip_frac": 0.0, "approx_kl": 0.01,
+         "iw_mean": 1.0, "iw_max": 1.8, "iw_capped_frac": 0.0, "behavior_kl": 0.001, "grad_norm": 0.7,
+         "lr": 1e-4, "staleness_mean": 0.5, "staleness_max": 1.0, "reward_mean": 0.25, "advantage_mean": 0.0,
+         "loss_tokens": 300.0, "step_time_s": 2.0, "tokens_per_s": 250.0, "step": float(step), "version": 0.0}
+    if gae:
+        d.update(value_loss=0.3, critic_grad_norm=0.2, kl=0.02)
+    d.update(over)
+    return d
+
+
+def test_learner_metrics_count_each_step_once_and_skip_uncomputed_gauges():
+    reg = M.new_registry()
+    lm = M.LearnerMetrics(reg)
+    assert value(reg, M.LEARNER_POLICY_LOSS) is None  # nothing set yet: no misleading zeros
+    lm.update(learner_dict(1))
+    lm.update(learner_dict(1))  # the same step again
+    lm.update(learner_dict(2, step_time_s=4.0, tokens_per_s=100.0, policy_loss=-0.2))
+    assert value(reg, M.LEARNER_STEPS) == 2
+    assert value(reg, M.LEARNER_STEP) == 2
+    assert value(reg, M.LEARNER_POLICY_LOSS) == pytest.approx(-0.2)
+    assert value(reg, M.LEARNER_STEP_SECONDS + "_count") == 2
+    assert value(reg, M.LEARNER_STEP_SECONDS + "_sum") == pytest.approx(6.0)
+    assert value(reg, M.LEARNER_TRAINED_TOKENS) == pytest.approx(2.0 * 250 + 4.0 * 100)
+    assert value(reg, M.LEARNER_LOSS_TOKENS) == 600
+    assert value(reg, M.LEARNER_IW_MAX) == pytest.approx(1.8)
+    assert value(reg, M.LEARNER_BATCH_STALENESS_MAX) == 1
+    assert value(reg, M.LEARNER_KL) is None  # no KL term in this config: absent, not 0
+    assert value(reg, M.LEARNER_VALUE_LOSS) is None
+
+
+def test_driver_and_eval_metrics():
+    reg = M.new_registry()
+    d, e = M.DriverMetrics(reg), M.EvalMetrics(reg)
+    pub = {"publish_latency_s": 0.3, "publish_put_s": 0.1, "publish_bytes": 2e6, "publish_version": 1.0}
+    d.observe_publish(pub)
+    d.observe_publish(pub)  # the same publish twice
+    d.observe_publish({**pub, "publish_version": 2.0, "publish_latency_s": 0.5})
+    assert value(reg, M.WEIGHT_PUBLISH_SECONDS + "_count") == 2
+    assert value(reg, M.WEIGHT_PUBLISH_SECONDS + "_sum") == pytest.approx(0.8)
+    assert value(reg, M.DRIVER_POLICY_VERSION) == 2
+    d.update({"lost_episodes": 3, "actor_restarts": {"1": 1}})
+    d.update({"lost_episodes": 5, "actor_restarts": {"1": 1}})
+    assert value(reg, M.DRIVER_LOST_EPISODES) == 5
+    assert value(reg, M.DRIVER_ACTOR_RESTARTS, actor="1") == 1
+    e.update({"all": {"n": 50, "exact_match": 0.4, "f1": 0.5}, "nq": {"n": 50, "exact_match": 0.4, "f1": 0.5}},
+             split="heldout", step=20)
+    assert value(reg, M.EVAL_EXACT_MATCH, split="heldout", source="all") == pytest.approx(0.4)
+    assert value(reg, M.EVAL_QUESTIONS, split="heldout", source="nq") == 50
+    assert value(reg, M.EVAL_STEP, split="heldout") == 20
+    assert value(reg, M.EVAL_SEARCHES, split="heldout", source="all") is None
+
+
+# -------------------------------------------------------------------------------------------- doc, dashboard
+def test_metrics_doc_lists_every_metric_and_is_generated():
+    doc = (REPO / "docs" / "METRICS.md").read_text()
+    for spec in M.SPECS.values():
+        row = next((line for line in doc.splitlines() if line.startswith(f"| `{spec.name}` |")), None)
+        assert row is not None, f"{spec.name} missing from docs/METRICS.md"
+        assert f"| {spec.kind} |" in row
+        for label in spec.labels:
+            assert f"`{label}`" in row
+    assert doc == M.render_markdown(), "regenerate: python -m monitoring.metrics > docs/METRICS.md"
+
+
+def test_dashboard_json_is_built_from_the_script():
+    assert DASHBOARD.read_text() == build_dashboard.render(), "run python monitoring/build_dashboard.py"
+    assert build_dashboard.main(["--check"]) == 0
+
+
+def _retriever_names() -> set[str]:
+    s = retriever_server
+    return {s.REQUESTS + "_total", s.QUERIES + "_total", s.ERRORS + "_total", s.BATCH_QUERIES, s.REQUEST_LATENCY,
+            s.BACKEND_LATENCY}
+
+
+def test_dashboard_queries_use_only_defined_metrics_and_cover_the_sections():
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["schemaVersion"] == 39
+    assert any(v["name"] == "DS_PROMETHEUS" and v["type"] == "datasource" for v in dash["templating"]["list"])
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${DS_PROMETHEUS}"
+            assert p["targets"] and all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in p["targets"])
+    known = set(M.SPECS) | _retriever_names()
+    queries = dashboard_queries(DASHBOARD)
+    assert len(queries) > 40
+    for q in queries:
+        names = re.findall(r"\b((?:aar|retriever)_[a-z0-9_]+)", q)
+        assert names, q
+        for n in names:
+            base = re.sub(r"_(bucket|sum|count)$", "", n)
+            assert n in known or base in known, f"{q}: unknown metric {n}"
+        expand_grafana_vars(q)  # no variable the checker cannot expand
+    rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
+    assert rows == ["Throughput", "Staleness", "Buffer", "Learner", "Reward and exact match", "Search", "Weight sync"]
+    joined = "\n".join(queries)
+    for needle in ("by (actor) (rate(aar_rollout_generated_tokens_total", "by (actor) (rate(aar_rollout_episodes_",
+                   "histogram_quantile(0.9, sum by (le) (rate(aar_buffer_consumed_staleness_bucket",
+                   "by (reason) (rate(aar_buffer_evicted_total", "aar_learner_approx_kl",
+                   "aar_learner_importance_weight_mean", "aar_eval_exact_match", "retriever_request_latency_seconds",
+                   "aar_weight_publish_seconds", "aar_rollout_weight_version"):
+        assert needle in joined, needle
+
+
+def test_expand_grafana_vars():
+    assert expand_grafana_vars("rate(x[$__rate_interval])", rate_interval="15s") == "rate(x[15s])"
+    assert expand_grafana_vars("rate(x[${__interval}])", interval="2s") == "rate(x[2s])"
+    with pytest.raises(ValueError, match="cannot expand"):
+        expand_grafana_vars('x{actor=~"$actor"}')
+
+
+# ---------------------------------------------------------------------------------------- discovery and config
+def test_write_sd_file_is_prometheus_file_sd_json(tmp_path):
+    path = write_sd_file(tmp_path / "sd" / "targets.json",
+                         {"driver": ["127.0.0.1:9001"], "rollout": ["127.0.0.1:9003", "127.0.0.1:9002"], "x": []})
+    groups = json.loads(path.read_text())
+    assert groups == [{"targets": ["127.0.0.1:9001"], "labels": {"job": "driver"}},
+                      {"targets": ["127.0.0.1:9002", "127.0.0.1:9003"], "labels": {"job": "rollout"}}]
+    write_sd_file(path, {"driver": ["127.0.0.1:9001"]})  # replaced whole, no temp file left behind
+    assert json.loads(path.read_text()) == groups[:1]
+    assert [p.name for p in path.parent.iterdir()] == ["targets.json"]
+    with pytest.raises(ValueError, match="host:port"):
+        sd_groups({"driver": ["http://127.0.0.1:9001/metrics"]})
+
+
+def test_prometheus_configs_use_file_sd():
+    cfg = yaml.safe_load(prometheus_config("/some where/targets.json", "1s"))
+    assert cfg["global"]["scrape_interval"] == "1s"
+    (job,) = cfg["scrape_configs"]
+    assert job["file_sd_configs"][0]["files"] == ["/some where/targets.json"]
+    shipped = yaml.safe_load((REPO / "monitoring" / "prometheus.yml").read_text())
+    assert shipped["scrape_configs"][0]["file_sd_configs"][0]["files"] == ["targets.json"]
+    assert shipped == yaml.safe_load(prometheus_config("targets.json", "5s"))
