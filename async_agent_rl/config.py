@@ -198,8 +198,8 @@ class RewardConfig(_Section):
 # --------------------------------------------------------------------------------------------------------- learner
 class LearnerConfig(_Section):
     total_steps: int = Field(20, ge=0)
-    batch_size: int = Field(32, ge=1, description="trajectories per learner step")
-    mini_batch_size: int = Field(32, ge=1, description="trajectories per optimizer update")
+    batch_size: int = Field(40, ge=1, description="trajectories per learner step (a multiple of rollout.group_size)")
+    mini_batch_size: int = Field(40, ge=1, description="trajectories per optimizer update")
     micro_batch_size: int = Field(8, ge=1, description="trajectories per forward/backward")
     ppo_epochs: int = Field(1, ge=1)
     lr: float = Field(1e-5, gt=0)
@@ -288,6 +288,15 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "Config":
+        if self.learner.batch_size % self.rollout.group_size:
+            raise ValueError(
+                f"learner.batch_size ({self.learner.batch_size}) must be a multiple of rollout.group_size "
+                f"({self.rollout.group_size}): the buffer hands out whole GRPO groups"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -119,3 +119,8 @@ def test_config_reference_doc_is_current():
     doc = (REPO / "docs" / "CONFIG.md").read_text()
     assert doc.strip() == config_reference().strip(), "regenerate: async-agent-rl config reference > docs/CONFIG.md"
     assert "`algorithm.clip_ratio_high`" in doc and "`buffer.max_staleness`" in doc
+
+
+def test_batch_must_hold_whole_groups():
+    with pytest.raises(ConfigError, match="multiple of rollout.group_size"):
+        load_config(None, ["learner.batch_size=32", "learner.mini_batch_size=32", "rollout.group_size=5"])
