@@ -378,7 +378,9 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             shown = path if leaves == [path] else f"{path} (given as {', '.join(leaves)})"
             lines.append(f"  {shown}: unknown key; allowed keys here: {', '.join(allowed)}")
         else:
-            lines.append(f"  {path}: {e['msg']} (got {e.get('input')!r})")
+            got = e.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {path}: {e['msg']}{shown}")
     return "\n".join(lines)
 
 
