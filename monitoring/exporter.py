@@ -28,14 +28,17 @@ driver for ``set_targets`` (one target per process; Prometheus's ``instance`` la
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, start_http_server
+
+logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 JOB_LABEL = "job"
@@ -143,42 +146,59 @@ def prometheus_config(sd_file: str | os.PathLike, scrape_interval: str = DEFAULT
 
 # ------------------------------------------------------------------------------------------- a run's monitoring
 class RunMonitoring:
-    """The driver's side of monitoring for one run, in ``folder`` (e.g. ``RUN_DIR/prometheus``): one registry
-    with every updater (``rollout``, ``buffer``, ``learner``, ``driver``, ``eval``), its exporter, and the discovery
-    file ``targets.json`` with a ``prometheus.yml`` beside it (relative path, so the folder can be moved)::
+    """The driver's side of monitoring for one run, in ``folder`` (``RUN_DIR/prometheus``): one registry with every
+    updater (``rollout``, ``buffer``, ``learner``, ``driver``, ``eval``), its exporter on 127.0.0.1, the discovery
+    file (``targets.json`` unless ``sd_file`` says otherwise) and a ``prometheus.yml`` beside it that scrapes it::
 
-        mon = RunMonitoring.start(run_dir / "prometheus")
-        mon.set_targets("retriever", ["127.0.0.1:8000"])     # and any actor-hosted exporters
-        ...  # in the loop:
-        mon.rollout.update(stats); mon.buffer.update(buffer_stats); mon.learner.update(step_metrics)
-        mon.driver.observe_publish(publish.as_metrics()); mon.eval.update(scores, split="heldout", step=step)
-        mon.close()
+        mon = RunMonitoring.from_config(cfg.monitoring, run_dir)          # None when monitoring.enabled is false
+        mon.set_targets("retriever", ["127.0.0.1:8000"])                   # the retrieval server's own /metrics
+        mon.poll(lambda: mon.observe(rollout=ray.get([a.stats.remote() for a in actors]),
+                                     buffer=ray.get(buffer.stats.remote())), every_s=cfg.monitoring.log_every_s)
+        ...  # each learner step:
+        mon.observe(learner=step_metrics, publish=publish_stats.as_metrics())
+        mon.eval.update(scores, split="heldout", step=step)                # after each evaluation
+        mon.close()                                                        # stops polling, frees the port
 
     Then ``prometheus --config.file=RUN_DIR/prometheus/prometheus.yml`` scrapes the run."""
 
     def __init__(self, folder: str | os.PathLike, exporter: Exporter, updaters: dict, job: str,
-                 scrape_interval: str):
+                 scrape_interval: str, sd_file: Optional[str | os.PathLike] = None):
         self.folder = Path(folder)
         self.exporter = exporter
         self.registry = exporter.registry
         self.updaters = updaters
         self.rollout, self.buffer, self.learner = updaters["rollout"], updaters["buffer"], updaters["learner"]
         self.driver, self.eval = updaters["driver"], updaters["eval"]
-        self.sd_file = self.folder / "targets.json"
+        self.sd_file = Path(sd_file) if sd_file else self.folder / "targets.json"
         self.config_file = self.folder / "prometheus.yml"
         self._targets: dict[str, list[str]] = {job: [exporter.target]}
-        self.config_file.write_text(prometheus_config(self.sd_file.name, scrape_interval))
+        self._stop = threading.Event()
+        self._pollers: list[threading.Thread] = []
+        beside = self.sd_file.resolve().parent == self.folder.resolve()
+        self.config_file.write_text(prometheus_config(self.sd_file.name if beside else self.sd_file.resolve(),
+                                                      scrape_interval))
         write_sd_file(self.sd_file, self._targets)
 
     @classmethod
     def start(cls, folder: str | os.PathLike, scrape_interval: str = DEFAULT_SCRAPE_INTERVAL, port: int = 0,
-              job: str = "driver") -> "RunMonitoring":
+              job: str = "driver", sd_file: Optional[str | os.PathLike] = None) -> "RunMonitoring":
         from monitoring.metrics import new_registry, register_all
 
         Path(folder).mkdir(parents=True, exist_ok=True)
         registry = new_registry()
         updaters = register_all(registry)
-        return cls(folder, start_exporter(registry, port), updaters, job, scrape_interval)
+        return cls(folder, start_exporter(registry, port), updaters, job, scrape_interval, sd_file)
+
+    @classmethod
+    def from_config(cls, monitoring: Any, run_dir: str | os.PathLike) -> Optional["RunMonitoring"]:
+        """From ``Config.monitoring`` (``enabled``, ``host``, ``exporter_port``, ``prometheus_sd_file``): None when
+        disabled; the folder is ``run_dir/prometheus``."""
+        if not monitoring.enabled:
+            return None
+        if monitoring.host not in (LOOPBACK, "localhost"):
+            raise ValueError(f"monitoring.host must be loopback, not {monitoring.host!r}")
+        return cls.start(Path(run_dir) / "prometheus", port=monitoring.exporter_port,
+                         sd_file=monitoring.prometheus_sd_file)
 
     @property
     def targets(self) -> dict[str, list[str]]:
@@ -192,7 +212,46 @@ class RunMonitoring:
             self._targets.pop(job, None)
         write_sd_file(self.sd_file, self._targets)
 
+    def observe(self, *, rollout: Sequence[Mapping[str, Any]] = (), buffer: Optional[Mapping[str, Any]] = None,
+                learner: Optional[Mapping[str, Any]] = None, publish: Optional[Mapping[str, Any]] = None) -> None:
+        """Fold in whatever the driver has at hand: ``RolloutActor.stats()`` of each actor, ``BufferActor.stats()``,
+        the ``train_step`` metrics, ``PublishStats.as_metrics()`` (empty or None: skipped)."""
+        for stats in rollout:
+            if stats:
+                self.rollout.update(stats)
+        if buffer:
+            self.buffer.update(buffer)
+        if learner:
+            self.learner.update(learner)
+        if publish:
+            self.driver.observe_publish(publish)
+
+    def poll(self, fn: Callable[[], Any], every_s: float) -> None:
+        """Call ``fn`` every ``every_s`` seconds from a daemon thread until ``close()`` (e.g. fetch the actors'
+        stats and ``observe`` them, so metrics move between learner steps). A failing call is logged and the
+        next one tried; ``fn`` must be safe to run beside the driver's loop (Ray calls are)."""
+        if every_s <= 0:
+            raise ValueError("every_s must be > 0")
+
+        def loop() -> None:
+            failures = 0
+            while not self._stop.wait(every_s):
+                try:
+                    fn()
+                    failures = 0
+                except Exception:  # monitoring must never take the run down
+                    failures += 1
+                    if failures in (1, 10) or failures % 100 == 0:
+                        logger.exception("metrics poll failed (%d in a row)", failures)
+
+        t = threading.Thread(target=loop, name="metrics-poll", daemon=True)
+        t.start()
+        self._pollers.append(t)
+
     def close(self) -> None:
+        self._stop.set()
+        for t in self._pollers:
+            t.join(timeout=30.0)
         self.exporter.close()
 
     def __enter__(self) -> "RunMonitoring":

@@ -110,7 +110,12 @@ ROLLOUT_REWARD_MEAN = _define(
     "mean reward of the episodes finished since the previous update", A)
 ROLLOUT_EXACT_MATCH_MEAN = _define(
     "rollout", "aar_rollout_episode_exact_match_mean", GAUGE,
-    "mean exact match of the episodes finished since the previous update (stats key 'exact_match_sum')", A)
+    "mean exact match of the episodes finished since the previous update "
+    "(stats reward_component_sums['exact_match'], or exact_match_sum)", A)
+ROLLOUT_REWARD_COMPONENT_MEAN = _define(
+    "rollout", "aar_rollout_episode_reward_component_mean", GAUGE,
+    "mean unweighted score of each reward term over the episodes finished since the previous update",
+    ("actor", "component"))
 ROLLOUT_RUNNING_EPISODES = _define("rollout", "aar_rollout_running_episodes", GAUGE, "episodes in flight", A)
 ROLLOUT_WEIGHT_VERSION = _define(
     "rollout", "aar_rollout_weight_version", GAUGE, "policy version of the weights the engine samples with", A)
@@ -372,8 +377,10 @@ def _num(x: Any) -> Optional[float]:
 class RolloutMetrics:
     """Rollout actor and search client metrics, labelled ``actor``. ``update(stats)`` takes ``RolloutActor.stats()``:
     the ``WorkerStats.as_dict()`` totals, ``index``, ``version``, ``search`` (``SearchClient.counters()``) and
-    ``weight_updates`` (recent ``{"version", "seconds", "pause_seconds"}`` records). Optional keys ``turns`` and
-    ``exact_match_sum`` (totals over finished episodes) feed the turn and exact-match metrics when present.
+    ``weight_updates`` (recent ``{"version", "seconds", "pause_seconds"}`` records). ``reward_component_sums``
+    (per reward term, summed over finished episodes) gives the per-term means, and exact match when ``exact_match``
+    is a term. Optional keys ``turns`` and ``exact_match_sum`` (totals over finished episodes) feed the turn and
+    exact-match metrics when present.
     One instance serves every actor whose stats pass through this process."""
 
     # stats key -> counter (all monotonic totals of WorkerStats)
@@ -401,6 +408,7 @@ class RolloutMetrics:
                          [*self.TOTALS.values(), ROLLOUT_FINISH_REASONS, *self.SEARCH_TOTALS.values(), SEARCH_ERRORS]}
         self.reward_mean = _gauges(registry, ROLLOUT_REWARD_MEAN)
         self.exact_match_mean = _gauges(registry, ROLLOUT_EXACT_MATCH_MEAN)
+        self.component_mean = _gauges(registry, ROLLOUT_REWARD_COMPONENT_MEAN)
         self.running = _gauges(registry, ROLLOUT_RUNNING_EPISODES)
         self.version = _gauges(registry, ROLLOUT_WEIGHT_VERSION)
         self.update_seconds = _histogram(registry, ROLLOUT_WEIGHT_UPDATE_SECONDS)
@@ -462,19 +470,29 @@ class RolloutMetrics:
             self._last_update_version[actor] = last_v
 
     def _means(self, s: Mapping[str, Any], actor: str) -> None:
-        """Mean reward (and exact match) of the episodes finished since the last update. The sums are not
-        counters (a reward may be negative), so they are differenced here, restarting with ``finished``."""
+        """Means of the episodes finished since the last update: reward, exact match, each reward term. The sums
+        are not counters (a reward may be negative), so they are differenced here, restarting with ``finished``."""
         finished = _num(s.get("finished"))
         if finished is None:
             return
-        sums = {k: _num(s.get(k)) for k in ("reward_sum", "exact_match_sum")}
-        last = self._sums.get(actor)
-        if last is None:
-            last = {"finished": 0.0, "reward_sum": 0.0, "exact_match_sum": 0.0}
-        n = finished - last["finished"]
-        for key, gauge in (("reward_sum", self.reward_mean), ("exact_match_sum", self.exact_match_mean)):
-            if n > 0 and sums[key] is not None:
-                gauge.set((sums[key] - (last[key] or 0.0)) / n, actor)
+        components = {str(k): _num(v) for k, v in (s.get("reward_component_sums") or {}).items()}
+        em = _num(s.get("exact_match_sum"))
+        sums = {"reward": _num(s.get("reward_sum")),
+                "exact_match": em if em is not None else components.get("exact_match"),
+                **{f"component:{k}": v for k, v in components.items()}}
+        last = self._sums.get(actor) or {"finished": 0.0}
+        n = finished - (last["finished"] or 0.0)
+        if n > 0:
+            for key, total in sums.items():
+                if total is None:
+                    continue
+                mean = (total - (last.get(key) or 0.0)) / n
+                if key == "reward":
+                    self.reward_mean.set(mean, actor)
+                elif key == "exact_match":
+                    self.exact_match_mean.set(mean, actor)
+                else:
+                    self.component_mean.set(mean, actor, key[len("component:"):])
         if n > 0 or actor not in self._sums:
             self._sums[actor] = {"finished": finished, **sums}
 
@@ -732,13 +750,13 @@ def render_markdown(specs: Iterable[MetricSpec] = ()) -> str:
         "",
         "```python",
         "from monitoring.exporter import RunMonitoring",
-        "mon = RunMonitoring.start(run_dir / \"prometheus\")             # registry, exporter on 127.0.0.1, targets.json",
-        "mon.set_targets(\"retriever\", [\"127.0.0.1:PORT\"])              # the retrieval server's own /metrics",
-        "mon.rollout.update(rollout_actor_stats)                        # RolloutActor.stats(), once per actor",
-        "mon.buffer.update(buffer_actor_stats)                          # BufferActor.stats()",
-        "mon.learner.update(train_step_metrics)                         # Learner.train_step(...)",
-        "mon.driver.observe_publish(publish_stats.as_metrics())         # PublishStats",
-        "mon.eval.update(scores, split=\"heldout\", step=step)            # score_episodes(...)",
+        "mon = RunMonitoring.from_config(cfg.monitoring, run_dir)  # registry, exporter, run_dir/prometheus/",
+        "mon.set_targets(\"retriever\", [\"127.0.0.1:PORT\"])       # the retrieval server's own /metrics",
+        "mon.poll(lambda: mon.observe(rollout=[...each RolloutActor.stats()...],",
+        "                             buffer=buffer_actor_stats), every_s=cfg.monitoring.log_every_s)",
+        "mon.observe(learner=train_step_metrics, publish=publish_stats.as_metrics())  # each step",
+        "mon.eval.update(scores, split=\"heldout\", step=step)      # score_episodes(...) of each evaluation",
+        "mon.close()",
         "```",
         "",
         "Then `prometheus --config.file=RUN_DIR/prometheus/prometheus.yml --web.listen-address=127.0.0.1:9090`",
@@ -746,8 +764,9 @@ def render_markdown(specs: Iterable[MetricSpec] = ()) -> str:
         "with that Prometheus as `DS_PROMETHEUS`. `monitoring.prom.check_dashboard` runs every panel's query through",
         "a Prometheus and lists those without data.",
         "",
-        "Optional rollout keys: `RolloutMetrics` also reads `turns` and `exact_match_sum` (totals over finished",
-        "episodes) when the rollout stats carry them; the dashboard's train exact-match panel needs `exact_match_sum`.",
+        "Optional rollout keys: `RolloutMetrics` also reads `turns` (total over finished episodes) when the rollout",
+        "stats carry it. Train exact match comes from `reward_component_sums['exact_match']` (an `exact_match`",
+        "reward term, as in the default config) or an `exact_match_sum` total.",
     ]
     for comp in COMPONENTS:
         rows = [s for s in specs if s.component == comp]

@@ -16,11 +16,12 @@ import urllib.request
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.rollout_worker import WorkerStats
 from actors.search_client import SearchClient
-from async_agent_rl.config import BufferConfig, RetrieverConfig, SearchClientConfig
+from async_agent_rl.config import BufferConfig, MonitoringConfig, RetrieverConfig, SearchClientConfig
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.retriever.backends import Hit
 from async_agent_rl.retriever.server import start_server_in_thread
@@ -66,6 +67,36 @@ def test_exporter_serves_its_registry_over_loopback_http():
         fetch(url)
     with pytest.raises(ValueError, match="loopback"):
         start_exporter(reg, host="0.0.0.0")
+
+
+def test_run_monitoring_from_config_polls_and_serves(tmp_path):
+    assert RunMonitoring.from_config(MonitoringConfig(enabled=False), tmp_path) is None
+    sd = tmp_path / "elsewhere" / "sd.json"
+    calls = []
+    with RunMonitoring.from_config(MonitoringConfig(prometheus_sd_file=str(sd)), tmp_path / "run") as mon:
+        assert mon.config_file == tmp_path / "run" / "prometheus" / "prometheus.yml"
+        cfg = yaml.safe_load(mon.config_file.read_text())
+        assert cfg["scrape_configs"][0]["file_sd_configs"][0]["files"] == [str(sd.resolve())]
+        assert json.loads(sd.read_text()) == [{"targets": [mon.exporter.target], "labels": {"job": "driver"}}]
+
+        def fetch_stats():
+            calls.append(len(calls))
+            if len(calls) == 2:
+                raise RuntimeError("an actor is restarting")  # logged; polling goes on
+            mon.observe(rollout=[{"index": 0, "finished": 2 * len(calls), "elapsed_s": float(len(calls))}])
+
+        mon.poll(fetch_stats, every_s=0.05)
+        deadline = time.monotonic() + 10
+        while len(calls) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(calls) >= 4
+        text = fetch(mon.exporter.url)
+        assert f'{M.ROLLOUT_EPISODES_FINISHED}{{actor="0"}}' in text
+    n = len(calls)
+    time.sleep(0.2)
+    assert len(calls) == n  # close() stopped the polling
+    with pytest.raises(ValueError, match="loopback"):
+        RunMonitoring.from_config(MonitoringConfig(host="0.0.0.0"), tmp_path / "x")
 
 
 @pytest.fixture()
@@ -130,22 +161,22 @@ class KeywordBackend:
         return out
 
 
-async def simulated_run(reg_updaters: dict, search_url: str, seconds: float) -> None:
+async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> None:
     """The driver's monitoring loop over real components driven by hand: two workers' stats (real WorkerStats,
     a real SearchClient against the real retriever), a real ReplayBuffer with admission, learner step dicts,
     publishes and a held-out evaluation. Bounded: ``seconds`` of 0.25 s ticks."""
-    u = reg_updaters
+    u = mon.updaters
     workers = {i: WorkerStats() for i in (0, 1)}
     adm = AdmissionState(max_staleness=2, batch_size=4, max_concurrent=64, granule=2)
     buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=64), 2, on_evict=adm.on_evicted)
     u["eval"].update({"all": {"n": 20, "exact_match": 0.1, "f1": 0.2, "searches_per_question": 1.0,
                               "turns_per_question": 2.0}}, split="heldout", step=0)
     turns = {0: 0, 1: 0}
-    em = {0: 0.0, 1: 0.0}
     version = 0
     async with SearchClient(search_url, SearchClientConfig(timeout_s=5.0)) as client:
         for tick in range(int(seconds / 0.25)):
             await client.search_many([f"title {tick % 7}", "text about passages"])
+            rollout = []
             for i, ws in workers.items():
                 ws.started += 4
                 ws.finished += 4
@@ -157,26 +188,28 @@ async def simulated_run(reg_updaters: dict, search_url: str, seconds: float) -> 
                 ws.reward_sum += 1.0
                 ws.finish_reasons["answer"] += 4
                 turns[i] += 8
-                em[i] += 1.0
+                ws.reward_component_sums["exact_match"] += 1.0
                 stats = {**ws.as_dict(), "index": i, "version": version, "search": client.counters(),
                          "weight_updates": [{"version": version, "seconds": 0.05, "pause_seconds": 0.01}],
-                         "turns": turns[i], "exact_match_sum": em[i]}
-                u["rollout"].update(stats)
+                         "turns": turns[i]}
+                rollout.append(stats)
+            learner = publish = None
             adm.try_start(2, version)
             buf.push([trajectory(f"g{tick}", 0, version), trajectory(f"g{tick}", 1, version)])
             adm.on_finished(2, accepted=True)
             if tick % 2:
                 buf.sample(4, learner_version=version + 1)
                 version += 1
-                u["learner"].update({"step": float(version), "version": float(version), "policy_loss": 0.1,
+                learner = ({"step": float(version), "version": float(version), "policy_loss": 0.1,
                                      "entropy": 1.5, "approx_kl": 0.01, "behavior_kl": 0.002, "iw_mean": 1.0,
                                      "iw_max": 1.4, "iw_capped_frac": 0.0, "clip_frac": 0.03, "grad_norm": 0.8,
                                      "lr": 1e-4, "staleness_mean": 0.5, "staleness_max": 1.0, "reward_mean": 0.5,
                                      "advantage_mean": 0.0, "loss_tokens": 200.0, "step_time_s": 0.5,
                                      "tokens_per_s": 800.0})
-                u["driver"].observe_publish({"publish_latency_s": 0.08, "publish_put_s": 0.02,
-                                             "publish_bytes": 1e6, "publish_version": float(version)})
-            u["buffer"].update({**buf.stats(), "admission": adm.counters()})
+                publish = {"publish_latency_s": 0.08, "publish_put_s": 0.02, "publish_bytes": 1e6,
+                           "publish_version": float(version)}
+            mon.observe(rollout=rollout, buffer={**buf.stats(), "admission": adm.counters()}, learner=learner,
+                        publish=publish)
             await asyncio.sleep(0.25)
 
 
@@ -186,6 +219,8 @@ def test_every_dashboard_query_returns_data_and_bad_ones_are_reported(tmp_path, 
     Prometheus while a simulated run feeds the updaters; every dashboard query has data over the run."""
     with start_server_in_thread(KeywordBackend(), RetrieverConfig()) as server, \
             RunMonitoring.start(tmp_path / "run" / "prometheus", scrape_interval="1s") as mon:
+        assert yaml.safe_load(mon.config_file.read_text())["scrape_configs"][0]["file_sd_configs"][0]["files"] == [
+            "targets.json"]  # relative: resolved against the config's folder by Prometheus
         assert json.loads(mon.sd_file.read_text()) == [{"targets": [mon.exporter.target],
                                                          "labels": {"job": "driver"}}]
         mon.set_targets("retriever", [urlsplit(server.url).netloc])
@@ -193,7 +228,7 @@ def test_every_dashboard_query_returns_data_and_bad_ones_are_reported(tmp_path, 
         request.addfinalizer(prom.stop)
         wait_for(prom.url, 'count(up{job=~"driver|retriever"} == 1) == 2', timeout_s=30)
         t0 = time.time()
-        asyncio.run(simulated_run(mon.updaters, server.url, seconds=8.0))
+        asyncio.run(simulated_run(mon, server.url, seconds=8.0))
         time.sleep(2.5)  # two more scrapes after the last update
         end = time.time()
         failures = check_dashboard(prom.url, DASHBOARD, start=t0, end=end, step="1s", rate_interval="5s")

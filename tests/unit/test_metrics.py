@@ -33,9 +33,10 @@ def rollout_stats(index=0, elapsed=10.0, **totals) -> dict:
     """The dict RolloutActor.stats() returns: WorkerStats.as_dict() plus index, version, search, weight_updates."""
     ws = WorkerStats()
     for k, v in totals.items():
-        if k != "finish_reasons":
+        if k not in ("finish_reasons", "reward_component_sums"):
             setattr(ws, k, v)
     ws.finish_reasons.update(totals.get("finish_reasons", {}))
+    ws.reward_component_sums.update(totals.get("reward_component_sums", {}))
     d = ws.as_dict()
     d["elapsed_s"] = elapsed
     d.update(index=index, version=0, search={"requests": 0, "attempts": 0, "retries": 0, "failures": 0,
@@ -78,8 +79,8 @@ def test_every_metric_is_fed_by_some_updater():
     reg = M.new_registry()
     u = M.register_all(reg)
     s = rollout_stats(started=3, finished=2, generated_tokens=40, reward_sum=1.0,
-                      finish_reasons={"answer": 2})
-    s.update(turns=5, exact_match_sum=1.0,
+                      finish_reasons={"answer": 2}, reward_component_sums={"exact_match": 1.0})
+    s.update(turns=5,
              weight_updates=[{"version": 1, "seconds": 0.2, "pause_seconds": 0.05}])
     u["rollout"].update(s)
     u["buffer"].update(buffer_stats()[0])
@@ -151,7 +152,7 @@ def test_rollout_optional_keys_weight_updates_and_search():
     s = rollout_stats(0, started=4, finished=4)
     r.update(s)
     assert value(reg, M.ROLLOUT_TURNS, actor="0") is None  # not reported -> not exported (no false zero)
-    assert value(reg, M.ROLLOUT_EXACT_MATCH_MEAN, actor="0") is None
+    assert value(reg, M.ROLLOUT_EXACT_MATCH_MEAN, actor="0") is None  # no exact_match term, no exact_match_sum
     ups = [{"version": 1, "seconds": 0.2, "pause_seconds": 0.05}, {"version": 2, "seconds": 0.4, "pause_seconds": 0.1}]
     s = rollout_stats(0, elapsed=11.0, started=8, finished=8)
     s.update(turns=20, exact_match_sum=2.0, weight_updates=ups, version=2,
@@ -161,6 +162,14 @@ def test_rollout_optional_keys_weight_updates_and_search():
     r.update(s)  # the same records again are not observed twice
     assert value(reg, M.ROLLOUT_TURNS, actor="0") == 20
     assert value(reg, M.ROLLOUT_EXACT_MATCH_MEAN, actor="0") == pytest.approx(0.5)  # 2 / 4 new episodes
+    # the worker's per-term sums: exact match from the exact_match term, and every term's mean
+    r.update(rollout_stats(2, started=4, finished=4, reward_sum=3.0,
+                           reward_component_sums={"exact_match": 1.0, "format": 3.0}))
+    r.update(rollout_stats(2, elapsed=12.0, started=8, finished=8, reward_sum=4.0,
+                           reward_component_sums={"exact_match": 4.0, "format": 3.5}))
+    assert value(reg, M.ROLLOUT_EXACT_MATCH_MEAN, actor="2") == pytest.approx(0.75)  # (4 - 1) / 4
+    assert value(reg, M.ROLLOUT_REWARD_COMPONENT_MEAN, actor="2", component="format") == pytest.approx(0.125)
+    assert value(reg, M.ROLLOUT_REWARD_MEAN, actor="2") == pytest.approx(0.25)
     assert value(reg, M.ROLLOUT_WEIGHT_UPDATE_SECONDS + "_count", actor="0") == 2
     assert value(reg, M.ROLLOUT_WEIGHT_UPDATE_SECONDS + "_sum", actor="0") == pytest.approx(0.6)
     assert value(reg, M.ROLLOUT_WEIGHT_VERSION, actor="0") == 2
