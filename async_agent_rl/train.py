@@ -128,6 +128,7 @@ class Trainer:
         stack.callback(ray.shutdown)
         self.url = stack.enter_context(retriever_url(cfg))
         self.log.say(f"[start] retriever {self.url}")
+        self.mon = self._start_monitoring(stack)
         self.buffer = create_buffer_actor(cfg)
         learner_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": self.policy_path})})
         self.learner = create_learner_group(learner_cfg)
@@ -136,6 +137,26 @@ class Trainer:
         self.publisher = create_publisher(cfg.weight_sync.method, self.actors)
         self.pad_id = self._pad_id()
         self.log.say(f"[start] buffer, {cfg.learner.num_ranks} learner rank(s), rollout actors {infos}")
+
+    def _start_monitoring(self, stack: ExitStack):
+        """One exporter for the run (driver-side view of every component) plus the retriever's own /metrics, both
+        listed in ``run_dir/prometheus/targets.json`` for Prometheus' file-based discovery."""
+        from urllib.parse import urlsplit
+
+        from monitoring.exporter import RunMonitoring
+
+        mon = RunMonitoring.from_config(self.cfg.monitoring, self.run_dir)
+        if mon is None:
+            return None
+        stack.callback(mon.close)
+        mon.set_targets("retriever", [urlsplit(self.url).netloc])
+        self.log.say(f"[start] metrics on {mon.exporter.url}; prometheus --config.file={mon.config_file}")
+        return mon
+
+    def _observe_components(self) -> None:
+        import ray
+
+        self.mon.observe(rollout=ray.get([a.stats.remote() for a in self.actors]), buffer=ray.get(self.buffer.stats.remote()))
 
     def _pad_id(self) -> int:
         from transformers import AutoTokenizer
@@ -147,6 +168,8 @@ class Trainer:
         import ray
 
         ray.get([a.start.remote() for a in self.actors])
+        if self.mon is not None:
+            self.mon.poll(self._observe_components, every_s=self.cfg.monitoring.log_every_s)
 
     def train_step(self, t0: float) -> None:
         import ray
@@ -167,8 +190,10 @@ class Trainer:
             publish = self.publisher.publish(self.version, self.learner.state_dict_ref()).as_metrics()
         if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
             self.checkpoint()
-        rollout = [ray.get(a.stats.remote()) for a in self.actors]
+        rollout = ray.get([a.stats.remote() for a in self.actors])
         buffer = ray.get(self.buffer.stats.remote())
+        if self.mon is not None:
+            self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish)
         record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
         self.history.append(record)
         self.log.write("metrics.jsonl", record)
@@ -211,6 +236,8 @@ class Trainer:
         overall = scores["all"]
         rec = {"when": when, "step": self.step, "version": self.version, "seconds": time.monotonic() - t, **scores}
         self.log.write("eval.jsonl", rec)
+        if self.mon is not None:
+            self.mon.eval.update(scores, split="heldout", step=self.step)
         self.log.say(
             f"[eval {when}] held-out exact match {overall['exact_match']:.3f}  F1 {overall['f1']:.3f}  "
             f"searches/q {overall['searches_per_question']:.2f}  turns/q {overall['turns_per_question']:.2f}  "
