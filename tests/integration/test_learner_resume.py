@@ -39,6 +39,7 @@ def batch(offset: int):
 def cfg(tiny_model_dir):
     return build_config({
         "model": {"path": str(tiny_model_dir)},
+        "rollout": {"group_size": 2},
         "learner": {"batch_size": 4, "mini_batch_size": 2, "micro_batch_size": 1, "ppo_epochs": 2, "lr": 1e-3,
                     "critic_lr": 1e-3, "zero_stage": 1, "dtype": "bfloat16", "warmup_steps": 1,
                     "lr_schedule": "cosine", "total_steps": 4},

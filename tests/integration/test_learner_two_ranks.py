@@ -42,6 +42,7 @@ def episode(i: int) -> Trajectory:
 def test_two_ranks_train_identical_parameters(tiny_model_dir):
     tree = {
         "model": {"path": str(tiny_model_dir)},
+        "rollout": {"group_size": 2},
         "learner": {"batch_size": 4, "mini_batch_size": 4, "micro_batch_size": 1, "ppo_epochs": 2, "lr": 1e-3,
                     "zero_stage": 2, "num_ranks": 2},
         "algorithm": {"advantage_estimator": "grpo", "policy_loss": "decoupled_ppo"},

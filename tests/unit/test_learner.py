@@ -66,6 +66,7 @@ def two_groups(model, temperature: float = 1.0, versions=(0, 0, 0, 0)) -> TrainB
 def make_learner(model_dir, **sections) -> Learner:
     tree = {
         "model": {"path": str(model_dir)},
+        "rollout": {"group_size": 2},
         "learner": {"batch_size": 4, "mini_batch_size": 4, "micro_batch_size": 2, "lr": 1e-3, "total_steps": 10},
         "algorithm": {"advantage_estimator": "grpo", "policy_loss": "decoupled_ppo"},
     }
@@ -154,7 +155,8 @@ def test_mask_observations_switch_decides_whether_the_loss_trains_on_observation
     obs = observation_positions(batch, 0)
     rise = {}
     for masked in (True, False):
-        learner = make_learner(tiny_model_dir, learner={"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1},
+        learner = make_learner(tiny_model_dir, rollout={"group_size": 1},
+                               learner={"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1},
                                algorithm={"mask_observations": masked})
         before = learner.state_dict_for_publish()
         metrics = [learner.train_step(batch) for _ in range(3)]
