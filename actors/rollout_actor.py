@@ -36,6 +36,7 @@ class RolloutActor:
         self.url = retriever_url
         self.model_path = model_path
         self.initial_version = version
+        self.actor_id = f"actor{index}"
         self.worker: RolloutWorker | None = None
         self._task: asyncio.Task | None = None
         self._updates: list[dict] = []
@@ -61,14 +62,14 @@ class RolloutActor:
             push_batch_size=cfg.rollout.push_batch_size,
             admit=self._admit,
             on_lost=self._lost,
-            actor_id=f"actor{self.index}",
+            actor_id=self.actor_id,
             seed=cfg.rollout.seed + self.index,
         )
         return {"index": self.index, "examples": len(prompts.examples), "skipped_rows": report.skipped}
 
     # ------------------------------------------------------------------------------------------ buffer plumbing
-    async def _admit(self, n: int, version: int) -> int:
-        return await self.buffer.try_start.remote(n, version)
+    async def _admit(self, n: int, version: int, group_id: str) -> int:
+        return await self.buffer.try_start.remote(n, version, group_id, self.actor_id)
 
     async def _push(self, trajs: list[Trajectory]) -> None:
         await push_all_async(self.buffer, [t.encode() for t in trajs])

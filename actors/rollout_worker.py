@@ -30,7 +30,7 @@ from async_agent_rl.records import Trajectory
 log = logging.getLogger(__name__)
 
 Sink = Callable[[list[Trajectory]], Awaitable[None]]
-Admit = Callable[[int, int], Awaitable[int]]  # (episodes wanted, policy version) -> episodes granted
+Admit = Callable[[int, int, str], Awaitable[int]]  # (episodes wanted, policy version, group id) -> granted
 Lost = Callable[[list[str]], Awaitable[None]]  # group id of each episode that was started and will never arrive
 
 
@@ -52,7 +52,7 @@ class PromptSource:
             self.epoch += 1
 
 
-async def admit_all(n: int, version: int) -> int:
+async def admit_all(n: int, version: int, group_id: str) -> int:
     """Admission that always grants (standalone rollouts, no staleness bound)."""
     return n
 
@@ -130,12 +130,15 @@ class RolloutWorker:
         """Run until ``num_groups`` groups were started (None: until ``stop()``), then drain and flush."""
         flusher = asyncio.create_task(self._flush_loop())
         try:
+            group_id = self._new_group_id()
             while not self._stop.is_set() and (num_groups is None or self.stats.groups_started < num_groups):
-                # the buffer grants whole groups (multiples of group_size) or nothing
-                if await self.admit(self.group_size, self.runner.engine.version) < self.group_size:
+                # the buffer grants whole groups (multiples of group_size) or nothing; ask with the ENGINE's
+                # version (the weights that will generate), not the learner's
+                if await self.admit(self.group_size, self.runner.engine.version, group_id) < self.group_size:
                     await self._wait(self.admission_poll_s)
                     continue
-                await self._start_group(next(self.prompts))
+                await self._start_group(next(self.prompts), group_id)
+                group_id = self._new_group_id()
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
         finally:
@@ -150,8 +153,10 @@ class RolloutWorker:
             pass
 
     # ------------------------------------------------------------------------------------------------ episodes
-    async def _start_group(self, ex: QAExample) -> None:
-        group_id = f"{self.actor_id}-{self.stats.groups_started}-{uuid.uuid4().hex[:6]}"
+    def _new_group_id(self) -> str:
+        return f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
+
+    async def _start_group(self, ex: QAExample, group_id: str) -> None:
         self.stats.groups_started += 1
         for _ in range(self.group_size):
             await self._slots.acquire()

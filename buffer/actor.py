@@ -26,7 +26,7 @@ from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import BufferConfig, Config
 from async_agent_rl.records import Trajectory
 from async_agent_rl.staleness import AdmissionError, AdmissionState
-from buffer.replay_buffer import PushResult, ReplayBuffer, SnapshotError
+from buffer.replay_buffer import PushResult, ReplayBuffer, SnapshotError, peek_group_id
 
 SNAPSHOT_FILE = "replay_buffer.snapshot"
 
@@ -47,13 +47,23 @@ class BufferActor:
         self.admission = AdmissionState(**self._admission_args)
         self.buffer = ReplayBuffer(config, group_size, on_evict=self._on_evict)
         self._samples = 0
+        # episodes admitted but not yet pushed or rejected, per group, and the actor running them: when an actor
+        # dies its in-flight episodes are counted lost (``actor_lost``) so admission slots and groups never leak
+        self._inflight: dict[str, list] = {}  # group_id -> [actor_id, episodes in flight]
+        self._lost: dict[str, int] = {}
 
     def _on_evict(self, n: int) -> None:
         self.admission.on_evicted(n)
 
     # ---------------------------------------------------------------------------------------- rollout actors
-    def try_start(self, n: int, version: int) -> int:
-        return self.admission.try_start(n, version)
+    def try_start(self, n: int, version: int, group_id: Optional[str] = None, actor_id: str = "") -> int:
+        """Admission for ``n`` episodes at policy ``version``; with ``group_id`` the grant is tracked per actor so
+        ``actor_lost`` can account for it."""
+        granted = self.admission.try_start(n, version)
+        if granted and group_id is not None:
+            entry = self._inflight.setdefault(group_id, [actor_id, 0])
+            entry[1] += granted
+        return granted
 
     def push_many(self, blobs: Sequence[bytes]) -> PushResult:
         if len(blobs) > self.admission.running:
@@ -63,11 +73,32 @@ class BufferActor:
             )
         result = self.buffer.push(blobs)
         self.admission.on_finished(result.accepted, accepted=True)
+        if self._inflight:
+            for blob in blobs[: result.accepted]:
+                self._done(peek_group_id(blob))
         return result
 
     def reject(self, group_ids: Sequence[str]) -> None:
         self.admission.on_finished(len(group_ids), accepted=False)
         self.buffer.reject(group_ids)
+        for gid in group_ids:
+            self._done(gid)
+
+    def _done(self, group_id: str) -> None:
+        entry = self._inflight.get(group_id)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._inflight[group_id]
+
+    def actor_lost(self, actor_id: str) -> int:
+        """A rollout actor died: its in-flight episodes will never arrive. Each is rejected (admission slot
+        freed, its group released short or dropped) and counted in ``stats()["lost_episodes"]``; returns how many."""
+        lost = [gid for gid, (actor, k) in self._inflight.items() if actor == actor_id for _ in range(k)]
+        if lost:
+            self.reject(lost)
+        self._lost[actor_id] = self._lost.get(actor_id, 0) + len(lost)
+        return len(lost)
 
     # ------------------------------------------------------------------------------------------------ learner
     def sample(self, batch_size: int, learner_version: int) -> Optional[list[bytes]]:
@@ -89,7 +120,7 @@ class BufferActor:
 
     # ---------------------------------------------------------------------------------------- monitoring, disk
     def stats(self) -> dict[str, Any]:
-        return {**self.buffer.stats(), "admission": self.admission.counters()}
+        return {**self.buffer.stats(), "admission": self.admission.counters(), "lost_episodes": dict(self._lost)}
 
     def _path(self, path: Optional[str]) -> Path:
         if path is not None:

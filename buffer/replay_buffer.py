@@ -129,6 +129,11 @@ def _peek(blob: bytes) -> tuple[str, _Item]:
         raise RecordError(f"malformed trajectory record: {e!r}") from None
 
 
+def peek_group_id(blob: bytes) -> str:
+    """``meta.group_id`` of a wire record (validated like a push)."""
+    return _peek(blob)[0]
+
+
 class ReplayBuffer:
     """See the module docstring. ``on_evict(n)`` is told of every eviction (the admission state frees the slots);
     ``clock`` gives seconds (monotonic) for timeouts and ages."""

@@ -1,0 +1,35 @@
+"""A dead rollout actor's in-flight episodes are counted lost: admission slots come back, groups do not hang."""
+
+from async_agent_rl.config import BufferConfig
+from buffer.actor import BufferActor
+from tests.unit.test_replay_buffer import traj
+
+
+def make() -> BufferActor:
+    return BufferActor(BufferConfig(max_staleness=0), group_size=2, consumed_per_version=4, max_concurrent=64)
+
+
+def test_actor_lost_frees_slots_and_releases_partial_groups():
+    b = make()
+    assert b.try_start(2, 0, "g1", "actor0") == 2
+    assert b.try_start(2, 0, "g2", "actor0") == 2
+    assert b.try_start(2, 0, "g3", "actor1") == 0  # capacity (0 + 0 + 1) * 4 reached
+    b.push_many([traj("g1", 0)])  # one member of g1 arrived, three episodes of actor0 still running
+    assert b.admission.running == 3
+
+    assert b.actor_lost("actor0") == 3
+    assert b.admission.running == 0
+    stats = b.stats()
+    assert stats["lost_episodes"] == {"actor0": 3}
+    # g1 is released short with the member that arrived, g2 had none and vanishes: nothing waits forever
+    assert stats["groups_released_short"] == 1 and stats["ready_groups"] == 1 and stats["pending_groups"] == 0
+    assert stats["pushed"] == 1 and stats["rejected"] == 3
+    assert b.actor_lost("actor0") == 0  # nothing left in flight
+
+
+def test_finished_episodes_are_not_counted_lost():
+    b = make()
+    b.try_start(2, 0, "g1", "actor0")
+    b.push_many([traj("g1", 0), traj("g1", 1)])
+    assert b.actor_lost("actor0") == 0 and b.admission.running == 0
+    assert len(b.sample(2, 0)) == 2
