@@ -90,9 +90,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from async_agent_rl.train import Trainer
 
-    cfg = _config(args)
-    summary = Trainer(cfg).run()
-    return 0 if summary.get("steps", 0) >= cfg.learner.total_steps else 1
+    if args.resume:
+        if args.config or args.overrides:
+            raise ConfigError("--resume takes the run's own config.yaml; do not pass --config or overrides with it")
+        trainer = Trainer.resume(args.resume)
+    else:
+        trainer = Trainer(_config(args))
+    summary = trainer.run()
+    return 0 if summary.get("steps", 0) >= trainer.cfg.learner.total_steps else 1
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -220,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=cmd_prepare)
 
     tr = sub.add_parser("train", help="asynchronous RL on Ray: retriever, buffer, rollout actors, learner")
+    tr.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
     _add_config_args(tr)
     tr.set_defaults(func=cmd_train)
 

@@ -263,6 +263,8 @@ class ClusterConfig(_Section):
     learner_cpus: float = Field(0.5, ge=0)
     learner_gpus: float = Field(0.0, ge=0)
     buffer_cpus: float = Field(0.0, ge=0)
+    max_actor_restarts: int = Field(3, ge=0, description="times Ray restarts a dead rollout actor (then the run fails)")
+    actor_timeout_s: float = Field(120.0, gt=0, description="a rollout actor silent this long is treated as dead")
     env_vars: dict[str, str] = Field(default_factory=dict)
 
 

@@ -31,6 +31,16 @@ from async_agent_rl.config import Config
 log = logging.getLogger(__name__)
 
 
+BUFFER_SNAPSHOT = "replay_buffer.snapshot"
+DRIVER_STATE = "driver_state.json"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest ``checkpoints/step_N`` whose driver state was written (a crash mid-checkpoint leaves none)."""
+    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / DRIVER_STATE).is_file())
+    return done[-1] if done else None
+
+
 class RunLog:
     """Appends JSON lines and prints one progress line per step."""
 
@@ -73,6 +83,11 @@ class Trainer:
         self.version = 0
         self.step = 0
         self.history: list[dict] = []
+        self.weights_ref = None  # the last published weights (a restarted actor gets them)
+        self.restarts: dict[str, int] = {}
+        self.lost_episodes = 0
+        self.retired: dict[str, float] = {}  # totals of actor incarnations that died (their stats restart at 0)
+        self.resume_from: Path | None = None
 
     # --------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -81,7 +96,7 @@ class Trainer:
         self.prepare_inputs()
         with ExitStack() as stack:
             self.start_components(stack)
-            start = self.evaluate("start") if cfg.eval.at_start else None
+            start = self.evaluate("start") if cfg.eval.at_start and self.resume_from is None else None
             self.start_rollouts()
             t0 = time.monotonic()
             while self.step < cfg.learner.total_steps:
@@ -132,7 +147,13 @@ class Trainer:
         self.buffer = create_buffer_actor(cfg)
         learner_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": self.policy_path})})
         self.learner = create_learner_group(learner_cfg)
-        self.actors = create_rollout_actors(cfg, self.buffer, self.url, self.policy_path, self.version)
+        actor_model, actor_version = self.policy_path, 0
+        if self.resume_from is not None:
+            self._restore()
+            actor_model, actor_version = str(self.resume_from / "policy"), self.version
+        self.actors = create_rollout_actors(
+            cfg, self.buffer, self.url, actor_model, actor_version, max_restarts=cfg.cluster.max_actor_restarts
+        )
         infos = ray.get([a.setup.remote() for a in self.actors])
         self.publisher = create_publisher(cfg.weight_sync.method, self.actors)
         self.pad_id = self._pad_id()
@@ -187,10 +208,11 @@ class Trainer:
         publish = {}
         if self.step % cfg.weight_sync.every_steps == 0:
             self.version = self.learner.bump_version()
-            publish = self.publisher.publish(self.version, self.learner.state_dict_ref()).as_metrics()
+            self.weights_ref = self.learner.state_dict_ref()
+            publish = self.publisher.publish(self.version, self.weights_ref).as_metrics()
         if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
             self.checkpoint()
-        rollout = ray.get([a.stats.remote() for a in self.actors])
+        rollout = self.supervise()
         buffer = ray.get(self.buffer.stats.remote())
         if self.mon is not None:
             self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish)
@@ -205,9 +227,61 @@ class Trainer:
             f"buffer {buffer.get('size', 0)}  evicted {sum(buffer.get('evicted', {}).values())}  wait {wait_s:.1f}s"
         )
 
+    def supervise(self) -> list[dict]:
+        """Every rollout actor's stats; an actor that died (or stopped answering) is restarted, its in-flight
+        episodes counted lost, and it gets the current weights before it runs again."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        out = []
+        for i, actor in enumerate(self.actors):
+            try:
+                out.append(ray.get(actor.stats.remote(), timeout=self.cfg.cluster.actor_timeout_s))
+            except (RayActorError, GetTimeoutError) as e:
+                self.log.say(f"[fault] rollout actor {i} is gone ({type(e).__name__}); restarting it")
+                self._restart_actor(i)
+                out.append(ray.get(actor.stats.remote()))
+        return out
+
+    def _restart_actor(self, i: int) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        actor, actor_id = self.actors[i], f"actor{i}"
+        last = self.history[-1]["per_actor"].get(actor_id, {}) if self.history else {}
+        for key, value in last.items():  # keep what the dead incarnation did in the run's totals
+            self.retired[key] = self.retired.get(key, 0.0) + value
+        lost = ray.get(self.buffer.actor_lost.remote(actor_id))
+        self.lost_episodes += lost
+        self.restarts[actor_id] = self.restarts.get(actor_id, 0) + 1
+        deadline = time.monotonic() + self.cfg.cluster.actor_timeout_s
+        while True:  # Ray re-runs __init__ in a new process (max_restarts); wait until it answers
+            try:
+                ray.get(actor.setup.remote(), timeout=self.cfg.cluster.actor_timeout_s)
+                break
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout actor {i} did not come back within {self.cfg.cluster.actor_timeout_s} s")
+                time.sleep(1.0)
+        if self.weights_ref is not None:
+            ray.get(actor.update_weights.remote(self.version, self.weights_ref))
+        ray.get(actor.start.remote())
+        self.log.say(f"[fault] rollout actor {i} restarted at version {self.version}; {lost} in-flight episodes lost")
+        if self.mon is not None:
+            self.mon.driver.update({"lost_episodes": self.lost_episodes, "actor_restarts": self.restarts})
+
     def _record(self, metrics: dict, publish: dict, rollout: list[dict], buffer: dict, wait_s: float, elapsed: float) -> dict:
-        finished = sum(r.get("finished", 0) for r in rollout)
-        em_sum = sum(r.get("reward_component_sums", {}).get("exact_match", 0.0) for r in rollout)
+        per_actor = {
+            f"actor{r['index']}": {
+                "finished": r.get("finished", 0),
+                "em_sum": r.get("reward_component_sums", {}).get("exact_match", 0.0),
+                "generated_tokens": r.get("generated_tokens", 0),
+            }
+            for r in rollout
+        }
+        finished = self.retired.get("finished", 0) + sum(a["finished"] for a in per_actor.values())
+        em_sum = self.retired.get("em_sum", 0.0) + sum(a["em_sum"] for a in per_actor.values())
+        generated = self.retired.get("generated_tokens", 0) + sum(a["generated_tokens"] for a in per_actor.values())
         prev = self.history[-1] if self.history else {"episodes_total": 0, "em_sum_total": 0.0}
         new_eps = finished - prev["episodes_total"]
         return {
@@ -218,8 +292,12 @@ class Trainer:
             "rollout_exact_match": (em_sum - prev["em_sum_total"]) / new_eps if new_eps else prev.get("rollout_exact_match", 0.0),
             "episodes_total": finished,
             "em_sum_total": em_sum,
+            "generated_tokens_total": generated,
             "episodes_per_s": finished / elapsed if elapsed > 0 else 0.0,
-            "gen_tokens_per_s": sum(r.get("generated_tokens", 0) for r in rollout) / elapsed if elapsed > 0 else 0.0,
+            "gen_tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+            "per_actor": per_actor,
+            "actor_restarts": dict(self.restarts),
+            "lost_episodes": self.lost_episodes,
             "sample_wait_s": wait_s,
             "buffer_size": buffer.get("size", 0),
             "buffer_evicted": buffer.get("evicted", {}),
@@ -251,9 +329,51 @@ class Trainer:
         return ray.get([a.stop.remote() for a in self.actors])
 
     def checkpoint(self) -> str:
-        path = self.learner.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}")
+        """Learner checkpoint (policy, DeepSpeed state, RNG), buffer snapshot and the driver's counters, written
+        into ``checkpoints/step_N``; ``train --resume RUN_DIR`` continues from the newest complete one."""
+        import ray
+
+        path = Path(self.learner.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}"))
+        ray.get(self.buffer.snapshot.remote(str(path / BUFFER_SNAPSHOT)))
+        state = {"step": self.step, "version": self.version, "restarts": self.restarts,
+                 "lost_episodes": self.lost_episodes, "retired": self.retired}  # fmt: skip
+        (path / DRIVER_STATE).write_text(json.dumps(state))  # written last: marks the checkpoint complete
         self.log.say(f"[checkpoint] {path}")
-        return path
+        return str(path)
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, quiet: bool = False) -> "Trainer":
+        """A trainer for ``run_dir`` that continues from its newest complete checkpoint (config from the run)."""
+        from async_agent_rl.config import load_config
+
+        run_dir = Path(run_dir)
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"{run_dir}: no complete checkpoint under checkpoints/ to resume from")
+        trainer = cls(load_config(run_dir / "config.yaml"), run_dir, quiet)
+        trainer.resume_from = ckpt
+        return trainer
+
+    def _restore(self) -> None:
+        """Load the checkpoint into the learner and buffer; drop the metrics of steps that will be redone."""
+        import ray
+
+        ckpt = self.resume_from
+        state = json.loads((ckpt / DRIVER_STATE).read_text())
+        self.learner.load_checkpoint(ckpt)
+        ray.get(self.buffer.restore.remote(str(ckpt / BUFFER_SNAPSHOT)))
+        self.step, self.version = state["step"], state["version"]
+        self.restarts, self.lost_episodes, self.retired = state["restarts"], state["lost_episodes"], state["retired"]
+        metrics = self.run_dir / "metrics.jsonl"
+        kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+        metrics.write_text("".join(line + "\n" for line in kept))
+        self.history = [json.loads(line) for line in kept]
+        # episodes counted before the crash are history now: the new actors count from zero
+        if self.history:
+            last = self.history[-1]
+            self.retired = {"finished": last["episodes_total"], "em_sum": last["em_sum_total"],
+                            "generated_tokens": last.get("generated_tokens_total", 0)}  # fmt: skip
+        self.log.say(f"[resume] {ckpt}: step {self.step}, version {self.version}")
 
     def save(self, directory: Path) -> str:
         return self.learner.save_checkpoint(directory)
@@ -265,8 +385,11 @@ class Trainer:
             "version": self.version,
             "train_seconds": seconds,
             "final_checkpoint": final,
-            "episodes": sum(r.get("finished", 0) for r in rollout),
+            "final_policy": str(Path(final) / "policy"),
+            "episodes": self.history[-1]["episodes_total"] if self.history else 0,
             "episodes_failed": sum(r.get("failed", 0) for r in rollout),
+            "actor_restarts": dict(self.restarts),
+            "lost_episodes": self.lost_episodes,
         }
         if start:
             s["exact_match_start"] = start["all"]["exact_match"]
@@ -282,5 +405,6 @@ class Trainer:
             self.log.say(f"[plot] {p}")
 
 
-def train(cfg: Config, quiet: bool = False) -> dict:
-    return Trainer(cfg, quiet=quiet).run()
+def train(cfg: Config, quiet: bool = False, resume: str | Path | None = None) -> dict:
+    trainer = Trainer.resume(resume, quiet) if resume else Trainer(cfg, quiet=quiet)
+    return trainer.run()
