@@ -166,6 +166,11 @@ def _always_alive() -> bool:
     return True
 
 
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 @dataclass
 class _Pending:
     queries: list[str]
@@ -198,7 +203,7 @@ class QueryBatcher:
         self._pending: list[_Pending] = []
         self._pending_queries = 0
         self._arrived = asyncio.Event()
-        self._full = asyncio.Event()
+        self._window_closed: asyncio.Future | None = None  # resolved by the window's timer, or early by a full batch
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -224,8 +229,8 @@ class QueryBatcher:
         self._pending.append(_Pending(queries, topk, alive, future))
         self._pending_queries += len(queries)
         self._arrived.set()
-        if self._pending_queries >= self.max_batch_queries:
-            self._full.set()
+        if self._pending_queries >= self.max_batch_queries and self._window_closed is not None:
+            _resolve(self._window_closed)
         return await future
 
     async def _call(
@@ -256,8 +261,6 @@ class QueryBatcher:
             elif not item.future.done():
                 item.future.set_exception(ClientGone())
         self._pending_queries -= n
-        if self._pending_queries < self.max_batch_queries:
-            self._full.clear()
         if not self._pending:
             self._arrived.clear()
         return batch
@@ -265,11 +268,13 @@ class QueryBatcher:
     async def _run(self) -> None:
         while True:
             await self._arrived.wait()
-            if not self._full.is_set():
-                try:
-                    await asyncio.wait_for(self._full.wait(), self.window_s)
-                except asyncio.TimeoutError:
-                    pass
+            if self._pending_queries < self.max_batch_queries:
+                loop = asyncio.get_running_loop()
+                self._window_closed = loop.create_future()
+                timer = loop.call_later(self.window_s, _resolve, self._window_closed)
+                await self._window_closed
+                timer.cancel()
+                self._window_closed = None
             batch = self._take_batch()
             if not batch:
                 continue
