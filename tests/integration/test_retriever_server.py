@@ -247,17 +247,19 @@ async def test_event_loop_keeps_serving_during_a_slow_backend_call(backend):
 
 @pytest.mark.parametrize("window_ms", [0.0, 2.0])
 async def test_requests_abandoned_by_their_client_are_not_searched(backend, window_ms):
-    slow = SlowBackend(backend, 0.6)
+    slow = SlowBackend(backend, 1.5)
     with start_server_in_thread(slow, RetrieverConfig(batch_window_ms=window_ms, max_batch_queries=1)) as srv:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
-
-            async def give_up(query: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            # The first request occupies the backend; two more queue behind it and their clients give up.
+            first = asyncio.create_task(session.post(f"{srv.url}/retrieve", json={"queries": ["first"]}))
+            while not slow.seen:
+                await asyncio.sleep(0.01)
+            impatient = aiohttp.ClientTimeout(total=0.5)
+            for query in ("second", "third"):
                 with pytest.raises(asyncio.TimeoutError):
-                    await session.post(f"{srv.url}/retrieve", json={"queries": [query]})
-
-            # The first occupies the backend; the other two wait behind it and their clients leave.
-            await asyncio.gather(give_up("first"), give_up("second"), give_up("third"))
-        await asyncio.sleep(0.8)
+                    await session.post(f"{srv.url}/retrieve", json={"queries": [query]}, timeout=impatient)
+            async with await first as resp:
+                assert resp.status == 200
         status, raw = post(f"{srv.url}/retrieve", {"queries": ["music"]})
         assert status == 200
         with urllib.request.urlopen(f"{srv.url}/metrics", timeout=5) as resp:

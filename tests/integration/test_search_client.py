@@ -107,7 +107,7 @@ async def test_many_concurrent_searches_share_a_bounded_pool():
         async with SearchClient(server.url, FAST.model_copy(update={"pool_size": 4})) as client:
             results = await asyncio.gather(*(client.search(f"q{i}") for i in range(40)))
     assert all(r[0].id == "1" for r in results)
-    assert peak == 4
+    assert 1 < peak <= 4  # 40 searches at once, never more than the pool's 4 connections
 
 
 # ------------------------------------------------------------------------------------------------- failures
@@ -158,7 +158,7 @@ async def test_dead_server_gives_a_typed_error_within_the_deadline():
         elapsed = time.perf_counter() - start
         counters = client.counters()
     assert e.value.kind == "connection" and e.value.attempts > 1
-    assert elapsed < cfg.deadline_s + 0.2
+    assert elapsed < cfg.deadline_s + 0.5
     assert counters["failures"] == 1 and counters["retries"] == e.value.attempts - 1
 
 
@@ -177,7 +177,7 @@ async def test_a_server_that_never_answers_times_out_within_the_deadline():
                 await client.search("anything")
             elapsed = time.perf_counter() - start
     assert e.value.kind == "timeout"
-    assert elapsed < cfg.deadline_s + 0.2
+    assert elapsed < cfg.deadline_s + 0.5
 
 
 async def test_client_errors_are_not_retried():
