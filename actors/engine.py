@@ -9,13 +9,18 @@ Per-token versions come from vLLM itself: the engine core stamps every step's ou
 version (``set_weight_version``) and returns contiguous ``weight_versions`` spans on the final output. A weight
 update applied while a request is running therefore labels exactly the tokens sampled after it.
 
-Weight updates (``update_weights``), two modes:
+Weight updates (``update_weights``), two modes. Both freeze the scheduler for the reload (``pause_generation(
+mode="keep")``: running requests stay alive, no step runs while weights and the version label change, so the label
+is exact; tens of milliseconds on a tiny model) and both stamp the new version before resuming:
 
-- ``pause``: pause the scheduler keeping requests (``mode="keep"``, KV cache cleared so running requests are
-  recomputed with the new weights), reload, stamp the new version, reset the prefix cache, resume.
-- ``inflight``: no pause. Reload and the version stamp are utility calls the engine core runs between two steps,
-  so generation continues; running requests keep their KV cache computed by the old weights (PipelineRL-style
-  in-flight update). Tokens sampled after the update carry the new version either way.
+- ``pause``: the KV cache is cleared, so running requests are recomputed with the new weights (AReaL-style
+  interruptible generation), and the prefix cache is reset.
+- ``inflight``: the KV cache is kept; running requests continue on keys/values computed by the old weights
+  (PipelineRL-style in-flight update; cheaper, slightly off-policy for the rest of those requests, which the
+  per-token versions and the behavior log-probs record). The prefix cache is reset for new requests.
+
+Why not reload without pausing: the reload and the version stamp are two engine-core calls, and a step between
+them would label new-weight tokens with the old version.
 
 Reload goes through vLLM's ``reload_weights`` from a safetensors file in a tmpfs folder: ``collective_rpc`` does
 not carry tensors across the engine-core process boundary (FIELD-NOTES), files do.
@@ -191,19 +196,16 @@ class VLLMEngine:
             tmp = self._weights_dir / "model.safetensors.tmp"
             await asyncio.to_thread(save_file, tensors, str(tmp))
             os.replace(tmp, path)
-            pause_s = 0.0
-            if mode == "pause":
-                tp = time.perf_counter()
-                await self.llm.pause_generation(mode="keep", clear_cache=True)
+            tp = time.perf_counter()
+            await self.llm.pause_generation(mode="keep", clear_cache=mode == "pause")
             try:
                 await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
                 await self.llm.update_weight_version(str(version))
                 self.version = version
                 await self.llm.reset_prefix_cache()
             finally:
-                if mode == "pause":
-                    await self.llm.resume_generation()
-                    pause_s = time.perf_counter() - tp
+                await self.llm.resume_generation()
+                pause_s = time.perf_counter() - tp
             size = sum(t.numel() * t.element_size() for t in tensors.values())
             return WeightUpdateStats(version, mode, time.perf_counter() - t0, pause_s, size)
 
