@@ -67,7 +67,7 @@ import random
 import socket
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -161,18 +161,19 @@ class _TrainEngine:
 
     engine: Any
     plain: bool
+    last_norm: Optional[float] = None
 
-    def step(self) -> Optional[float]:
-        """``engine.step()`` after every micro-batch; the global grad norm (pre-clip) at an update, else None."""
+    def step(self) -> None:
+        """``engine.step()`` after every micro-batch. ``last_norm``: the global grad norm (pre-clip) if this call
+        updated the weights, else None."""
         boundary = self.engine.is_gradient_accumulation_boundary()
-        norm = None
+        self.last_norm = None
         if boundary and self.plain:
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            self.last_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         self.engine.step()
         if boundary and not self.plain:
-            norm = float(self.engine.get_global_grad_norm())
-        return norm
+            self.last_norm = float(self.engine.get_global_grad_norm())
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
@@ -218,6 +219,24 @@ class _Window:
     @property
     def width(self) -> int:
         return self.mask.shape[1]
+
+
+@dataclass
+class _Targets:
+    """Per-token constants of one step, ``(B, T)`` like ``_Window``; None where not used. ``proximal_logprobs``,
+    ``ref_logprobs``: this rank's rows only (others 0); ``values``: the critic's ``V`` the advantages were computed
+    with."""
+
+    behavior_logprobs: Tensor
+    proximal_logprobs: Optional[Tensor]
+    ref_logprobs: Optional[Tensor]
+    advantages: Tensor
+    returns: Tensor
+    values: Optional[Tensor]
+
+    def rows(self, rows: Tensor, width: int) -> "_Targets":
+        return _Targets(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows, :width])
+                           for f in fields(self)})
 
 
 class _Metrics:
@@ -314,7 +333,10 @@ class Learner:
         logits = logits[:, :-1].float() / self.temperature
         targets = ids[:, w.p0:]
         logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-        entropy = entropy_from_logits(logits) if with_entropy else None
+        entropy = None
+        if with_entropy:  # differentiable only when it is a loss term
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.cfg.algorithm.entropy_coef > 0):
+                entropy = entropy_from_logits(logits)
         return logprobs, entropy
 
     def _critic_forward(self, w: _Window, rows: Tensor) -> Tensor:
@@ -349,63 +371,68 @@ class Learner:
         """One learner step on ``batch`` (every rank gets the same batch). Returns the metrics of the module
         docstring; ``step`` advances by one, ``version`` does not (see ``bump_version``)."""
         t0 = time.perf_counter()
-        lc, alg = self.cfg.learner, self.cfg.algorithm
-        B = batch.batch_size
-        if B != lc.batch_size or B % self.world_size:
-            raise ValueError(f"batch has {B} rows; learner.batch_size is {lc.batch_size} "
+        lc = self.cfg.learner
+        if batch.batch_size != lc.batch_size or batch.batch_size % self.world_size:
+            raise ValueError(f"batch has {batch.batch_size} rows; learner.batch_size is {lc.batch_size} "
                              f"(and must divide among {self.world_size} ranks)")
-        w = _Window.of(batch, alg.mask_observations, self.device)
+        w = _Window.of(batch, self.cfg.algorithm.mask_observations, self.device)
+        targets = self._targets(w)
+        lr = self._set_lr()
+        metrics = _Metrics()
+        for epoch in range(lc.ppo_epochs):
+            for mini in self._mini_batches(w, epoch):
+                self._train_mini_batch(w, mini, targets, metrics)
+        self.step += 1
+        return self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0)
+
+    def _targets(self, w: _Window) -> _Targets:
+        """The no-grad passes over this rank's rows (proximal, reference, critic), then advantages over all rows."""
+        alg = self.cfg.algorithm
+        B = w.mask.shape[0]
         own = torch.arange(self.rank, B, self.world_size, device=self.device)
 
-        full = torch.zeros(B, w.width, device=self.device)  # own rows filled, others stay 0
-        proximal = ref = old_values = None
-        if self.needs_proximal:
-            proximal = full.clone()
-            proximal[own] = self._no_grad_pass(lambda w_, r: self._policy_forward(self.policy.engine, w_, r, False)[0],
-                                               w, own)
-        behavior = w.behavior_logprobs
-        if proximal is not None:
-            behavior = torch.where(w.generated, behavior, proximal)  # unmasked observations: no behavior policy
+        def own_rows(model: Any) -> Tensor:  # (B, T): this rank's rows filled, the others 0
+            full = torch.zeros(B, w.width, device=self.device)
+            full[own] = self._no_grad_pass(lambda w_, r: self._policy_forward(model, w_, r, False)[0], w, own)
+            return full
+
+        proximal_logprobs = own_rows(self.policy.engine) if self.needs_proximal else None
+        behavior_logprobs = w.behavior_logprobs
+        if proximal_logprobs is not None:  # unmasked observations were not sampled: no behavior policy to correct
+            behavior_logprobs = torch.where(w.generated, behavior_logprobs, proximal_logprobs)
+        ref_logprobs = None
         if alg.kl_coef > 0:
-            ref = behavior
-            if self.reference is not None:
-                ref = full.clone()
-                ref[own] = self._no_grad_pass(lambda w_, r: self._policy_forward(self.reference, w_, r, False)[0],
-                                              w, own)
+            ref_logprobs = own_rows(self.reference) if self.reference is not None else behavior_logprobs
         values = None
         if self.critic is not None:
             values = self._all_rows(self._no_grad_pass(self._critic_forward, w, own), B)
-            old_values = values
-
-        token_rewards = place_outcome_rewards(w.rewards, w.mask)
         advantages, returns = compute_advantages(
-            token_rewards, w.mask, estimator=alg.advantage_estimator, stepwise=alg.stepwise_advantage,
-            group_index=w.group_index, values=values, turn_index=w.turn_index, gamma=alg.gamma, lam=alg.lam,
-            whiten=alg.whiten_advantages)
+            place_outcome_rewards(w.rewards, w.mask), w.mask, estimator=alg.advantage_estimator,
+            stepwise=alg.stepwise_advantage, group_index=w.group_index, values=values, turn_index=w.turn_index,
+            gamma=alg.gamma, lam=alg.lam, whiten=alg.whiten_advantages)
+        return _Targets(behavior_logprobs, proximal_logprobs, ref_logprobs, advantages, returns, values)
 
-        lr = lc.lr * lr_factor(self.step, warmup_steps=lc.warmup_steps, total_steps=lc.total_steps,
-                               schedule=lc.lr_schedule)
-        self.policy.set_lr(lr)
+    def _set_lr(self) -> float:
+        lc = self.cfg.learner
+        factor = lr_factor(self.step, warmup_steps=lc.warmup_steps, total_steps=lc.total_steps,
+                           schedule=lc.lr_schedule)
+        self.policy.set_lr(lc.lr * factor)
         if self.critic is not None:
-            self.critic.set_lr(lc.critic_lr * lr / lc.lr)
+            self.critic.set_lr(lc.critic_lr * factor)
+        return lc.lr * factor
 
-        metrics = _Metrics()
-        tensors = dict(proximal=proximal, behavior=behavior, ref=ref, advantages=advantages, returns=returns,
-                       old_values=old_values)
-        for epoch in range(lc.ppo_epochs):
-            for mini in self._mini_batches(w, epoch):
-                self._train_mini_batch(w, mini, tensors, metrics)
-
-        staleness = self._staleness(w)
-        self.step += 1
-        step_time = time.perf_counter() - t0
+    def _step_metrics(self, metrics: _Metrics, w: _Window, targets: _Targets, lr: float,
+                      step_time: float) -> dict[str, float]:
+        # staleness: version - min token version per trajectory, over its generated tokens
+        oldest = torch.where(w.generated, w.versions, torch.full_like(w.versions, torch.iinfo(torch.int64).max))
+        staleness = (self.version - oldest.min(dim=1).values).float()
         out = metrics.result()
         out.update(
             lr=lr,
             staleness_mean=float(staleness.mean()),
             staleness_max=float(staleness.max()),
             reward_mean=float(w.rewards.mean()),
-            advantage_mean=float(masked_mean(advantages, w.mask)),
+            advantage_mean=float(masked_mean(targets.advantages, w.mask)),
             loss_tokens=float(w.mask.sum()),
             step_time_s=step_time,
             tokens_per_s=float(w.seq_lengths.sum()) / step_time,
@@ -438,53 +465,55 @@ class Learner:
             return float(mask.sum())
         return float((mask.sum(dim=1) > 0).sum())
 
-    def _train_mini_batch(self, w: _Window, mini: tuple[list[Tensor], float], t: dict[str, Optional[Tensor]],
+    def _train_mini_batch(self, w: _Window, mini: tuple[list[Tensor], float], t: _Targets,
                           metrics: _Metrics) -> None:
-        alg = self.cfg.algorithm
+        """Forward/backward every micro-batch of this rank's part of one mini-batch; the engines update at its end."""
         micro_batches, mini_units = mini
         scale = len(micro_batches) * self.world_size / max(mini_units, 1.0)
         for rows in micro_batches:
             units = self._units(w, rows)
-            weight = units * scale
-            logprobs, entropy = self._policy_forward(self.policy.engine, w, rows, with_entropy=True)
-            width = logprobs.shape[1]
-            cut = {k: (v[rows, :width] if v is not None else None) for k, v in t.items()}
-            mask = w.mask[rows, :width]
-            policy_loss, pm = self.policy_loss(
-                logprobs, cut["proximal"], cut["behavior"], cut["advantages"], mask,
-                clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, dual_clip_c=alg.dual_clip_c,
-                behavior_weight_mode=alg.behavior_weight_mode, behavior_weight_cap=alg.behavior_weight_cap,
-                loss_agg_mode=alg.loss_agg_mode, horizon=self.cfg.rollout.max_response_length)
-            with nullcontext() if alg.entropy_coef > 0 else torch.no_grad():
-                entropy_term = agg_loss(entropy if alg.entropy_coef > 0 else entropy.detach(), mask,
-                                        alg.loss_agg_mode, horizon=self.cfg.rollout.max_response_length)
-            loss = policy_loss - alg.entropy_coef * entropy_term
-            step_metrics = {"policy_loss": policy_loss.detach(), "entropy": entropy_term.detach(), **pm}
-            if cut["ref"] is not None:
-                kl = agg_loss(kl_penalty(logprobs, cut["ref"], alg.kl_estimator), mask, alg.loss_agg_mode,
-                              horizon=self.cfg.rollout.max_response_length)
-                loss = loss + alg.kl_coef * kl
-                step_metrics["kl"] = kl.detach()
-            self.policy.engine.backward(loss * weight)
-            norm = self.policy.step()
-            if norm is not None:
-                step_metrics["grad_norm"] = norm
+            metrics.add(self._policy_micro_step(w, rows, t, units * scale), weight=units)
             if self.critic is not None:
-                values = self._critic_forward(w, rows)
-                value_loss, vm = clipped_value_loss(values, cut["old_values"], cut["returns"], mask,
-                                                    value_clip=alg.value_clip, loss_agg_mode=alg.loss_agg_mode,
-                                                    horizon=self.cfg.rollout.max_response_length)
-                self.critic.engine.backward(alg.vf_coef * value_loss * weight)
-                critic_norm = self.critic.step()
-                step_metrics.update(value_loss=value_loss.detach(), **vm)
-                if critic_norm is not None:
-                    step_metrics["critic_grad_norm"] = critic_norm
-            metrics.add(step_metrics, weight=units)
+                metrics.add(self._critic_micro_step(w, rows, t, units * scale), weight=units)
+            for name, engine in (("grad_norm", self.policy), ("critic_grad_norm", self.critic)):
+                if engine is not None and engine.last_norm is not None:
+                    metrics.add({name: engine.last_norm})  # one entry per optimizer update
 
-    def _staleness(self, w: _Window) -> Tensor:
-        """``version - min token version`` per trajectory, over its generated tokens. ``(B,)`` float."""
-        oldest = torch.where(w.generated, w.versions, torch.full_like(w.versions, torch.iinfo(torch.int64).max))
-        return (self.version - oldest.min(dim=1).values).float()
+    def _policy_micro_step(self, w: _Window, rows: Tensor, t: _Targets, weight: float) -> dict[str, Any]:
+        """``loss = policy_loss - entropy_coef * entropy + kl_coef * kl``, all aggregated by ``loss_agg_mode``."""
+        alg, horizon = self.cfg.algorithm, self.cfg.rollout.max_response_length
+        logprobs, entropy = self._policy_forward(self.policy.engine, w, rows, with_entropy=True)
+        width = logprobs.shape[1]
+        cut = t.rows(rows, width)
+        mask = w.mask[rows, :width]
+        policy_loss, out = self.policy_loss(
+            logprobs, cut.proximal_logprobs, cut.behavior_logprobs, cut.advantages, mask,
+            clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, dual_clip_c=alg.dual_clip_c,
+            behavior_weight_mode=alg.behavior_weight_mode, behavior_weight_cap=alg.behavior_weight_cap,
+            loss_agg_mode=alg.loss_agg_mode, horizon=horizon)
+        entropy_term = agg_loss(entropy, mask, alg.loss_agg_mode, horizon=horizon)
+        loss = policy_loss - alg.entropy_coef * entropy_term
+        out.update(policy_loss=policy_loss.detach(), entropy=entropy_term.detach())
+        if cut.ref_logprobs is not None:
+            kl = agg_loss(kl_penalty(logprobs, cut.ref_logprobs, alg.kl_estimator), mask, alg.loss_agg_mode, horizon=horizon)
+            loss = loss + alg.kl_coef * kl
+            out["kl"] = kl.detach()
+        self.policy.engine.backward(loss * weight)
+        self.policy.step()
+        return out
+
+    def _critic_micro_step(self, w: _Window, rows: Tensor, t: _Targets, weight: float) -> dict[str, Any]:
+        """Clipped value loss towards the GAE returns, times ``vf_coef`` (the critic has its own optimizer)."""
+        alg = self.cfg.algorithm
+        values = self._critic_forward(w, rows)
+        cut = t.rows(rows, values.shape[1])
+        value_loss, out = clipped_value_loss(
+            values, cut.values, cut.returns, w.mask[rows, :values.shape[1]],
+            value_clip=alg.value_clip, loss_agg_mode=alg.loss_agg_mode, horizon=self.cfg.rollout.max_response_length)
+        self.critic.engine.backward(alg.vf_coef * value_loss * weight)
+        self.critic.step()
+        out["value_loss"] = value_loss.detach()
+        return out
 
     # ----------------------------------------------------------------------------------------- publishing
     def publish_due(self) -> bool:
