@@ -101,6 +101,20 @@ def test_lr_factor_warmup_then_schedule():
     assert lr_factor(4, schedule="cosine", **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
 
 
+def test_lr_schedule_and_gradient_clipping_reach_the_optimizer(tiny_model_dir, hf_model):
+    """Warmup then linear decay, as ``lr_factor``; a clip norm of 1e-12 leaves Adam steps of ~lr * 1e-6 where an
+    unclipped first step moves every trained weight by ~lr."""
+    batch = two_groups(hf_model)
+    learner = make_learner(tiny_model_dir, learner={"warmup_steps": 2, "total_steps": 4, "lr_schedule": "linear",
+                                                    "grad_clip": 1e-12})
+    before = learner.state_dict_for_publish()
+    lrs = [learner.train_step(batch)["lr"] for _ in range(4)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
+    assert learner.policy.engine.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+    after = learner.state_dict_for_publish()
+    assert max(float(abs(after[n] - before[n]).max()) for n in after) < 1e-6
+
+
 def test_proximal_pass_reproduces_the_sampling_policy_and_staleness_is_measured(tiny_model_dir, hf_model):
     """Behavior log-probs from an independent forward at T=0.7: the learner's proximal recompute (shift by one,
     prompt-length window, temperature) must agree, so every behavior weight is 1."""
@@ -124,6 +138,10 @@ def test_steps_raise_the_rewarded_responses(tiny_model_dir, hf_model, zero_stage
     kl = {"kl_coef": 0.01} if zero_stage == 3 else {}
     learner = make_learner(tiny_model_dir, learner={"zero_stage": zero_stage, "dtype": dtype,
                                                     "use_reference_model": bool(kl)}, algorithm=kl)
+    engine = learner.policy.engine
+    assert engine.zero_optimization_stage() == zero_stage
+    assert isinstance(engine.basic_optimizer, torch.optim.AdamW)  # a torch optimizer: no op to compile
+    assert next(engine.module.parameters()).dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     before = learner.state_dict_for_publish()
     metrics = [learner.train_step(batch) for _ in range(5)]
     after = learner.state_dict_for_publish()
