@@ -29,6 +29,12 @@ Ranks: every rank receives the whole batch and trains on rows ``rank::world_size
 ``mini_batch_size / world_size`` rows from every rank. Advantages need the whole batch (groups, whitening): values
 are all-gathered, and every rank computes the same advantages.
 
+KL anchor (``algorithm.kl_coef > 0``): the frozen model at ``model.path`` with ``learner.use_reference_model``
+(GRPO / Search-R1's KL to the reference); without it the behavior policy, i.e. a penalty towards the policy that
+sampled (PPO's KL-penalty variant), which costs no extra model.
+
+Temperature: ``rollout.temperature``; 0 (greedy rollouts) is taken as 1.
+
 Policy version: ``version`` counts published updates (``bump_version``); the staleness of a trajectory at
 consumption is ``version - min(token versions)``.
 
@@ -38,9 +44,10 @@ Metrics of ``train_step`` (floats, this rank's rows; losses are the mini-batch a
 key                    meaning
 =====================  =================================================================================
 policy_loss            the policy loss (``POLICY_LOSSES[algorithm.policy_loss]``)
-kl                     KL to the reference (or to the behavior policy without one), ``kl_estimator``
+kl                     KL to the reference (or to the behavior policy without one), ``kl_estimator``; only
+                       when ``kl_coef > 0``
 entropy                entropy of ``softmax(logits / T)`` over loss positions
-value_loss             clipped value loss of the critic (``gae`` only)
+value_loss             clipped value loss of the critic (``gae`` only); ``vf_clip_frac`` its clip fraction
 clip_frac              fraction of loss tokens where the PPO clip is active; ``dual_clip_frac`` likewise
 approx_kl              KL(anchor || live) by k3, anchor = proximal (decoupled) or behavior (ppo)
 iw_mean, iw_max        behavior importance weight ``exp(proximal - behavior)`` before the cap (decoupled)
@@ -262,7 +269,12 @@ class _Metrics:
 
 class Learner:
     """One learner rank. Construct on every rank with the same ``Config``; call ``train_step`` on every rank with
-    the same batch (``learner.batch_size`` rows)."""
+    the same batch (``learner.batch_size`` rows).
+
+    Attributes: ``policy`` / ``critic`` (``_TrainEngine``: DeepSpeed engine + torch AdamW; critic None unless
+    ``gae``), ``reference`` (frozen module or None), ``step`` (train steps done), ``version`` (published updates),
+    ``rank``, ``world_size``, ``model_path``. Checkpoints: ``learner.checkpoint``.
+    """
 
     def __init__(self, cfg: Config):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
