@@ -10,13 +10,14 @@ import sys
 
 import pytest
 import ray
+import torch
 
 from actors.engine import TurnRequest, VLLMEngine
 from async_agent_rl.batch import pack_batch
 from async_agent_rl.config import Config, build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from learner.learner import Learner
-from learner.weight_sync import ObjectStorePublisher
+from learner.weight_sync import NCCLWorkerExtension, ObjectStorePublisher, create_publisher
 
 pytestmark = pytest.mark.integration
 
@@ -90,3 +91,12 @@ def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_di
     stats = publisher.publish(learner.bump_version(), ray.put(state))
     assert stats.bytes == -1 and ray.get(host.greedy.remote(PROMPT, n))[1] == [2] * n
     ray.get(host.close.remote())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal of the GPU path")
+def test_nccl_path_is_importable_and_refuses_to_run_without_cuda():
+    assert callable(NCCLWorkerExtension.receive_weights)  # what vLLM's worker_extension_cls would load
+    with pytest.raises(RuntimeError, match="object_store"):
+        create_publisher("nccl", [], master_address="127.0.0.1", master_port=1)
+    with pytest.raises(ValueError, match="allowed"):
+        create_publisher("carrier_pigeon", [])
