@@ -507,7 +507,8 @@ class Learner:
         loss = policy_loss - alg.entropy_coef * entropy_term
         out.update(policy_loss=policy_loss.detach(), entropy=entropy_term.detach())
         if cut.ref_logprobs is not None:
-            kl = agg_loss(kl_penalty(logprobs, cut.ref_logprobs, alg.kl_estimator), mask, alg.loss_agg_mode, horizon=horizon)
+            kl = agg_loss(kl_penalty(logprobs, cut.ref_logprobs, alg.kl_estimator), mask, alg.loss_agg_mode,
+                          horizon=horizon)
             loss = loss + alg.kl_coef * kl
             out["kl"] = kl.detach()
         self.policy.engine.backward(loss * weight)
