@@ -40,6 +40,7 @@ class RolloutActor:
         self.worker: RolloutWorker | None = None
         self._task: asyncio.Task | None = None
         self._updates: list[dict] = []
+        self._pending: tuple[int, Mapping[str, Any]] | None = None  # weights that arrived before setup()
 
     async def setup(self) -> dict:
         """Create the engine and the worker (async: the engine lives on this actor's event loop)."""
@@ -48,6 +49,9 @@ class RolloutActor:
         cfg = self.cfg
         examples, report = read_qa_files(cfg.data.train_files, cfg.data.on_bad_row)
         self.engine = await create_engine(cfg, self.model_path, self.initial_version)
+        if self._pending is not None:
+            await self.engine.update_weights(*self._pending, mode="pause")
+            self._pending = None
         self.search = SearchClient(self.url, cfg.retriever.client, topk=cfg.retriever.topk)
         runner = EpisodeRunner(
             self.engine, self.search, AutoTokenizer.from_pretrained(self.model_path), EpisodeSettings.from_config(cfg)
@@ -94,8 +98,12 @@ class RolloutActor:
         return self.stats()
 
     async def update_weights(self, version: int, weights: Mapping[str, Any]) -> dict:
-        """Reload ``weights`` (resolved from the object store by Ray) into the engine as ``version``."""
+        """Reload ``weights`` (resolved from the object store by Ray) into the engine as ``version``. Before
+        ``setup()`` (a restarted actor) they are kept and loaded when the engine exists."""
         t0 = time.perf_counter()
+        if not hasattr(self, "engine"):
+            self._pending = (version, weights)
+            return {"version": version, "seconds": 0.0, "deferred": True}
         stats = await self.engine.update_weights(version, weights, self.cfg.rollout.weight_update_mode)
         rec = {"version": version, "seconds": time.perf_counter() - t0, "pause_seconds": stats.pause_seconds,
                "bytes": stats.bytes, "mode": stats.mode}  # fmt: skip
@@ -119,6 +127,7 @@ class RolloutActor:
         s["search"] = self.search.counters() if hasattr(self, "search") else {}
         s["weight_updates"] = list(self._updates[-5:])
         s["done"] = self._task.done() if self._task else False
+        s["ready"] = self.worker is not None
         return s
 
     async def shutdown(self) -> None:

@@ -209,7 +209,10 @@ class Trainer:
         if self.step % cfg.weight_sync.every_steps == 0:
             self.version = self.learner.bump_version()
             self.weights_ref = self.learner.state_dict_ref()
-            publish = self.publisher.publish(self.version, self.weights_ref).as_metrics()
+            try:
+                publish = self.publisher.publish(self.version, self.weights_ref).as_metrics()
+            except ray.exceptions.RayError as e:  # a dead or restarted actor: supervise() below restarts it
+                self.log.say(f"[fault] weight publish failed on a rollout actor: {type(e).__name__}")
         if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
             self.checkpoint()
         rollout = self.supervise()
@@ -236,11 +239,15 @@ class Trainer:
         out = []
         for i, actor in enumerate(self.actors):
             try:
-                out.append(ray.get(actor.stats.remote(), timeout=self.cfg.cluster.actor_timeout_s))
+                stats = ray.get(actor.stats.remote(), timeout=self.cfg.cluster.actor_timeout_s)
+                problem = None if stats.get("ready") else "restarted by Ray, not set up"
             except (RayActorError, GetTimeoutError) as e:
-                self.log.say(f"[fault] rollout actor {i} is gone ({type(e).__name__}); restarting it")
+                problem = type(e).__name__
+            if problem:
+                self.log.say(f"[fault] rollout actor {i}: {problem}; restarting it")
                 self._restart_actor(i)
-                out.append(ray.get(actor.stats.remote()))
+                stats = ray.get(actor.stats.remote())
+            out.append(stats)
         return out
 
     def _restart_actor(self, i: int) -> None:
@@ -290,7 +297,7 @@ class Trainer:
             "elapsed_s": elapsed,
             "batch_reward": metrics.get("reward_mean", 0.0),
             "rollout_exact_match": (em_sum - prev["em_sum_total"]) / new_eps if new_eps else prev.get("rollout_exact_match", 0.0),
-            "episodes_total": finished,
+            "episodes_total": int(finished),
             "em_sum_total": em_sum,
             "generated_tokens_total": generated,
             "episodes_per_s": finished / elapsed if elapsed > 0 else 0.0,

@@ -8,7 +8,7 @@ incomplete ``partial_group_timeout_s`` after its first member arrived follows ``
 ``wait`` keeps waiting (counted once in ``groups_overdue``, with a log line), ``release`` makes it ready as it is
 (``groups_released_partial``), ``drop`` evicts its members (reason ``partial_group_timeout``).
 
-Sampling. ``sample(batch_size, v)`` returns ``batch_size // group_size`` whole groups (members adjacent), oldest
+Sampling. ``sample(batch_size, v)`` returns exactly ``batch_size`` trajectories in whole groups (members adjacent), oldest
 first (``fifo``) or highest ``meta.extra["priority"]`` first (``priority``, a group's priority is its members'
 maximum, ties oldest first), or None while fewer groups are ready. Before choosing, every ready group with
 ``staleness(v, min token version of the group) > max_staleness`` is evicted (reason ``stale``): a group goes whole.
@@ -260,28 +260,46 @@ class ReplayBuffer:
 
     # ---------------------------------------------------------------------------------------------------- sample
     def sample_wire(self, batch_size: int, learner_version: int) -> Optional[list[bytes]]:
-        """``batch_size // group_size`` whole groups as wire bytes, or None while not enough are ready."""
+        """Exactly ``batch_size`` trajectories as wire bytes, in whole groups, or None while the ready groups cannot
+        make up that many. Groups are taken in order; a short group (members lost or rejected) that would overflow
+        the batch is passed over and keeps its place, so it goes into a later batch or is evicted as stale."""
         if batch_size < 1 or batch_size % self.group_size:
             raise ValueError(f"batch_size={batch_size} must be a positive multiple of group_size={self.group_size}")
         self.learner_version = learner_version
         self._expire_partial()
         self._evict_stale(learner_version)
-        want = batch_size // self.group_size
-        if len(self._ready) < want:
+        chosen = self._fill(batch_size, short_ok=True) or self._fill(batch_size, short_ok=False)
+        if chosen is None:
             return None
         out: list[bytes] = []
-        while want:
-            _, seq = heapq.heappop(self._order)
-            group = self._ready.pop(seq, None)
-            if group is None:
-                continue  # evicted earlier
-            want -= 1
+        for _, seq in chosen:
+            group = self._ready.pop(seq)
             for it in group.items:
                 self.staleness_histogram[staleness(learner_version, it.min_version)] += 1
                 out.append(it.blob)
             self._forget(group)
             self.counters["sampled"] += len(group.items)
         return out
+
+    def _fill(self, batch_size: int, short_ok: bool) -> Optional[list[tuple[float, int]]]:
+        """Order entries of ready groups that add up to exactly ``batch_size`` trajectories, taken greedily in
+        order (``short_ok=False``: full groups only, which always fill a multiple of group_size), or None. The
+        chosen entries are removed from the order; on None the order is left as it was."""
+        chosen, skipped, total = [], [], 0
+        while total < batch_size and self._order:
+            entry = heapq.heappop(self._order)
+            group = self._ready.get(entry[1])
+            if group is None:
+                continue  # evicted earlier
+            n = len(group.items)
+            if total + n > batch_size or (not short_ok and n < self.group_size):
+                skipped.append(entry)
+                continue
+            chosen.append(entry)
+            total += n
+        for entry in skipped + (chosen if total < batch_size else []):
+            heapq.heappush(self._order, entry)
+        return chosen if total == batch_size else None
 
     def sample(self, batch_size: int, learner_version: int) -> Optional[list[Trajectory]]:
         """Like ``sample_wire``, decoded."""

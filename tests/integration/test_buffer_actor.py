@@ -106,6 +106,8 @@ def test_concurrent_producers_and_a_learner_lose_nothing():
     # drain what is left, one group at a time
     while (blobs := ray.get(buffer.sample.remote(GROUP, version))) is not None:
         sampled += [Trajectory.decode(b).meta.trajectory_id for b in blobs]
+    # short groups (a member rejected) cannot fill an exact batch: once the learner moves on they leave as stale
+    assert ray.get(buffer.sample.remote(GROUP, version + ETA + 1)) is None
 
     pushed = [tid for ids in ray.get(runs) for tid in ids] + [f"late/{m}" for m in range(GROUP)]
     stats = ray.get(buffer.stats.remote())

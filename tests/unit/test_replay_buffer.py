@@ -119,9 +119,15 @@ def test_rejected_members_release_a_short_group():
     buf.push([traj("a", 0)])
     assert buf.sample_wire(3, 0) is None
     buf.push([traj("a", 1)])
-    assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1"]
     s = buf.stats()
-    assert (s["groups_released_short"], s["rejected"]) == (1, 1)
+    assert (s["groups_released_short"], s["rejected"], s["ready_groups"]) == (1, 1, 1)
+    # a batch is exactly batch_size trajectories: the short group waits for a batch it fits in
+    assert buf.sample_wire(3, 0) is None
+    buf.push([traj("b", 0), traj("b", 1), traj("b", 2)])
+    assert ids(buf.sample_wire(3, 0)) == ["b/0", "b/1", "b/2"]
+    buf.reject(["c", "c"])
+    buf.push([traj("c", 0)])  # a short group of one completes a batch of 3 with "a"
+    assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1", "c/0"]
 
 
 def test_partial_group_wait_keeps_waiting_and_counts_overdue(caplog):
@@ -145,8 +151,8 @@ def test_partial_group_release_after_timeout():
     clock.now += 9
     assert buf.sample_wire(3, 0) is None
     clock.now += 2
-    assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1"]
-    assert buf.stats()["groups_released_partial"] == 1
+    assert buf.sample_wire(3, 0) is None  # released, but two trajectories cannot make a batch of three
+    assert buf.stats()["groups_released_partial"] == 1 and buf.stats()["ready_groups"] == 1
 
 
 def test_partial_group_drop_after_timeout_is_an_eviction():
@@ -242,7 +248,8 @@ def test_snapshot_round_trip(tmp_path):
     # pending groups and rejections survive: "b" completes, "d" is short by one and completes with one member
     for b in (buf, back):
         b.push([traj("b", 1), traj("d", 0)])
-    assert ids(back.sample_wire(6, 1)) == ids(buf.sample_wire(6, 1)) == ["c/0", "c/1", "b/0", "b/1", "d/0"]
+    assert ids(back.sample_wire(4, 1)) == ids(buf.sample_wire(4, 1)) == ["c/0", "c/1", "b/0", "b/1"]
+    assert back.stats()["ready_groups"] == buf.stats()["ready_groups"] == 1  # "d", short, waits for a batch
 
 
 def test_snapshot_refuses_a_different_group_size(tmp_path):
