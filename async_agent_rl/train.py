@@ -213,8 +213,6 @@ class Trainer:
                 publish = self.publisher.publish(self.version, self.weights_ref).as_metrics()
             except ray.exceptions.RayError as e:  # a dead or restarted actor: supervise() below restarts it
                 self.log.say(f"[fault] weight publish failed on a rollout actor: {type(e).__name__}")
-        if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
-            self.checkpoint()
         rollout = self.supervise()
         buffer = ray.get(self.buffer.stats.remote())
         if self.mon is not None:
@@ -229,6 +227,8 @@ class Trainer:
             f"stale {metrics.get('staleness_mean', 0):.2f}/{metrics.get('staleness_max', 0):.0f}  "
             f"buffer {buffer.get('size', 0)}  evicted {sum(buffer.get('evicted', {}).values())}  wait {wait_s:.1f}s"
         )
+        if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
+            self.checkpoint()  # after the step's metrics line: a resume keeps exactly the lines up to here
 
     def supervise(self) -> list[dict]:
         """Every rollout actor's stats; an actor that died (or stopped answering) is restarted, its in-flight
