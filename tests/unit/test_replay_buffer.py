@@ -332,9 +332,9 @@ def test_random_traffic_keeps_groups_whole_memory_bounded_and_nothing_lost(group
             if got is not None:
                 trajs = [Trajectory.decode(b) for b in got]
                 runs = [t.meta.group_id for t in trajs]
-                # whole groups, members adjacent, no group twice
+                # exactly the batch size, in whole groups, members adjacent, no group twice
                 starts = [gid for i, gid in enumerate(runs) if i == 0 or runs[i - 1] != gid]
-                assert len(starts) == len(set(starts)) == op[1]
+                assert len(starts) == len(set(starts)) and len(trajs) == op[1] * group_size
                 if policy == "wait":  # nothing is released early: every group has all its non-rejected members
                     assert all(runs.count(gid) == expected_size[gid] for gid in starts)
                 assert all(op[2] - t.min_version <= 1 for t in trajs)
