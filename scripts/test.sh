@@ -3,6 +3,7 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/install_prometheus.sh  # the real Prometheus the monitoring tests start on loopback (idempotent; apt-get as root)
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${AAR_VENV:-.venv}/bin/activate"

@@ -1,0 +1,239 @@
+"""``ray job submit`` against a real ``ray start --head`` cluster: a short training runs to completion as a job.
+
+The cluster is this test's own: ``ray start --head`` from the venv (so the job's bare ``async-agent-rl`` is the
+venv's), its own ``--temp-dir`` and free ports, the dashboard (job server) on 127.0.0.1, ``RAY_AUTH_MODE=disabled``
+(see docs/OPERATIONS.md, "ray job submit"). The job is submitted with ``--working-dir .`` (the repository, without
+``.venv``/``runs``/``.git``: Ray honours ``.gitignore`` and its default excludes), polled with ``ray job status``
+until it ends, and its run folder checked.
+
+Teardown ends only this cluster's processes. ``ray stop --force`` is NOT used: in Ray 2.60 it kills every Ray
+process on the machine by name (other sessions' clusters included), whatever ``--temp-dir`` says. Instead
+``ray start`` runs in a session of its own, and the processes of that session (GCS, raylet, dashboard, agents,
+monitors, the client server), those whose command line names this cluster's temp dir, and all their descendants
+(workers, the job's driver, vLLM engine cores) are terminated, then killed; none may be left.
+
+About 2-3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+TOTAL_STEPS = 2
+JOB_TIMEOUT_S = 420
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ray_cli() -> str:
+    exe = VENV_BIN / "ray"
+    assert exe.is_file(), f"no `ray` beside {sys.executable}"
+    return str(exe)
+
+
+def run(cmd: list[str], env: dict, timeout_s: float, cwd: Path = REPO,
+        check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s,
+                             stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd[:4])} ... did not return within {timeout_s} s; output:\n{e.stdout}\n{e.stderr}")
+    if check and res.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
+    return res
+
+
+def cluster_processes(temp_dir: Path, sid: int | None) -> list[psutil.Process]:
+    """This cluster's processes: those in the session ``ray start`` ran in (``sid``: it was started with a session
+    of its own, and Ray's daemons, the client server included, stay in it even once ``ray start`` has exited),
+    those naming ``temp_dir`` on their command line, and all their descendants (workers, the job's driver, vLLM
+    engine cores)."""
+    roots = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid == os.getpid():
+                continue
+            if (sid is not None and os.getsid(p.pid) == sid) or any(
+                    str(temp_dir) in a for a in (p.info["cmdline"] or [])):
+                roots.append(p)
+        except (psutil.Error, OSError):
+            pass
+    found: dict[int, psutil.Process] = {}
+    for r in roots:
+        found[r.pid] = r
+        try:
+            for p in r.children(recursive=True):
+                found[p.pid] = p
+        except psutil.Error:
+            pass
+    found.pop(os.getpid(), None)
+    live = []
+    for p in found.values():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                live.append(p)
+        except psutil.Error:
+            pass
+    return live
+
+
+def stop_cluster(temp_dir: Path, sid: int | None, grace_s: float = 5.0) -> None:
+    """Terminate this cluster's processes (see ``cluster_processes``), SIGKILL what is left after ``grace_s``.
+    Several rounds: a process started while the first round ran is caught by the next."""
+    for _ in range(3):
+        procs = cluster_processes(temp_dir, sid)
+        if not procs:
+            return
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+
+
+@pytest.fixture()
+def ray_cluster():
+    """A head node of our own: ``(dashboard_url, env, temp_dir)``; torn down whatever happens."""
+    # A short path: Ray's unix sockets live under it (the AF_UNIX limit is ~107 characters).
+    temp_dir = Path(tempfile.mkdtemp(prefix="aar-ray-"))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "VIRTUAL_ENV": str(VENV_BIN.parent), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    dash = free_port()
+    cmd = [ray_cli(), "start", "--head", f"--port={free_port()}", "--num-cpus=2", "--include-dashboard=true",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
+           f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+           f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
+           f"--runtime-env-agent-port={free_port()}", f"--node-manager-port={free_port()}",
+           f"--object-manager-port={free_port()}", "--disable-usage-stats"]
+    sid = None
+    try:
+        # its own session, so that every daemon it leaves behind can be found (and only those)
+        start = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        sid = start.pid
+        try:
+            out, _ = start.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail("`ray start --head` did not return within 180 s")
+        assert start.returncode == 0, f"`ray start --head` exited {start.returncode}:\n{out[-4000:]}"
+        url = f"http://127.0.0.1:{dash}"
+        deadline = time.monotonic() + 90
+        while True:  # the job server answers once `ray job list` does
+            res = run([ray_cli(), "job", "list", "--address", url], env, timeout_s=60, check=False)
+            if res.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"the job server on {url} did not answer within 90 s:\n{res.stdout}\n{res.stderr}")
+            time.sleep(2)
+        yield url, env, temp_dir
+    finally:
+        stop_cluster(temp_dir, sid)
+        left = cluster_processes(temp_dir, sid)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"cluster processes still alive after teardown: {[p.pid for p in left]}"
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ENDED = {"succeeded": "SUCCEEDED", "failed": "FAILED", "was stopped": "STOPPED"}
+
+
+def job_status(url: str, job_id: str, env: dict) -> str:
+    """What ``ray job status`` says: "Job 'ID' succeeded / failed / was stopped" for an ended job, else
+    "Status for job 'ID': PENDING|RUNNING"."""
+    res = run([ray_cli(), "job", "status", "--address", url, job_id], env, timeout_s=60, check=False)
+    text = ANSI.sub("", res.stdout + res.stderr)
+    ended = re.search(rf"Job '{re.escape(job_id)}' (succeeded|failed|was stopped)", text)
+    if ended:
+        return ENDED[ended.group(1)]
+    m = re.search(rf"Status for job '{re.escape(job_id)}': (\w+)", text)
+    return m.group(1) if m else f"UNKNOWN ({res.returncode}: {text[-500:]})"
+
+
+def test_ray_job_submit_runs_a_short_training_to_completion(ray_cluster, tmp_path):
+    url, env, temp_dir = ray_cluster
+    out_dir = tmp_path / "runs"
+    run_dir = out_dir / "job"
+    job_id = f"aar-train-{uuid.uuid4().hex[:8]}"
+    # The documented command with a short run's overrides. The job's cwd is Ray's unpacked copy of the working
+    # dir: the output folder is given as an absolute path (as docs/OPERATIONS.md says), while the quickstart's
+    # relative world and model paths are built by the job inside that copy.
+    entrypoint = [
+        "async-agent-rl", "train", "--config", "configs/quickstart.yaml",
+        "run.name=job", f"run.output_dir={out_dir}",
+        f"learner.total_steps={TOTAL_STEPS}", "learner.batch_size=16", "learner.mini_batch_size=16",
+        "learner.micro_batch_size=8", "eval.num_questions=8", "sft.enabled=false", "monitoring.log_every_s=1",
+        "cluster.ray_address=auto",
+    ]
+    submitted = time.time()
+    submit = [ray_cli(), "job", "submit", "--address", url, "--working-dir", ".", "--submission-id", job_id,
+              "--no-wait", "--", *entrypoint]
+    res = run(submit, env, timeout_s=120)
+    assert job_id in res.stdout + res.stderr
+
+    status, deadline = "PENDING", time.monotonic() + JOB_TIMEOUT_S
+    while status not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(3)
+        status = job_status(url, job_id, env)
+    logs = run([ray_cli(), "job", "logs", "--address", url, job_id], env, timeout_s=60, check=False).stdout
+    if status not in TERMINAL:
+        run([ray_cli(), "job", "stop", "--address", url, "--no-wait", job_id], env, timeout_s=60, check=False)
+        pytest.fail(f"job {job_id} not finished after {JOB_TIMEOUT_S} s (status {status}); log tail:\n{logs[-6000:]}")
+    assert status == "SUCCEEDED", f"job {job_id} ended {status}; log tail:\n{logs[-6000:]}"
+
+    # the driver connected to this cluster (cluster.ray_address=auto) and trained to the end
+    assert "[done]" in logs, logs[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == TOTAL_STEPS and summary["episodes"] > 0, summary
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in lines] == list(range(1, TOTAL_STEPS + 1))
+    assert (run_dir / "config.yaml").is_file() and "ray_address: auto" in (run_dir / "config.yaml").read_text()
+    assert list((run_dir / "plots").glob("*.png"))
+    assert (run_dir / "final").is_dir()
+    assert (run_dir / "prometheus" / "targets.json").is_file()
+    listed = run([ray_cli(), "job", "list", "--address", url], env, timeout_s=60).stdout
+    assert job_id in listed
+
+    # the uploaded working dir is the repository's sources only (Ray honours .gitignore and excludes .git/.venv):
+    # small, and its runs/ holds only what the job built there (a fresh world and model), nothing uploaded
+    pkgs = sorted({p.resolve() for p in temp_dir.glob("session_*/runtime_resources/working_dir_files/*")
+                   if p.is_dir()})  # session_latest is a link to the session
+    assert len(pkgs) == 1, f"expected one unpacked working dir under {temp_dir}, found {pkgs}"
+    pkg = pkgs[0]
+    assert (pkg / "configs" / "quickstart.yaml").is_file() and (pkg / "async_agent_rl" / "train.py").is_file()
+    for excluded in (".venv", ".git"):
+        assert not (pkg / excluded).exists(), f"{excluded} was uploaded with --working-dir ."
+    uploaded = sum(f.stat().st_size for f in pkg.rglob("*") if f.is_file() and "runs" not in f.relative_to(pkg).parts)
+    assert uploaded < 20 * 2**20, f"working dir upload is {uploaded / 2**20:.1f} MiB"
+    built = pkg / "runs" / "quickstart" / "model" / "config.json"
+    assert built.is_file() and built.stat().st_mtime >= submitted, "the job should have built the tiny model itself"
+    assert sorted(p.name for p in (pkg / "runs").iterdir()) == ["quickstart"], list((pkg / "runs").iterdir())
