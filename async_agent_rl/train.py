@@ -58,7 +58,19 @@ class RunLog:
             print(text, flush=True)
 
 
+def _job_env_vars() -> dict[str, str] | None:
+    """The runtime-env variables of the ``ray job submit`` job this driver runs in, or None outside a job."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if raw is None:
+        return None
+    try:
+        return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
+    except (ValueError, AttributeError):
+        return {}
+
+
 def _ray_init(cfg: Config) -> None:
+    """Connect to ``cluster.ray_address`` (or the job's cluster under ``ray job submit``), else start a local Ray."""
     import ray
 
     if ray.is_initialized():
@@ -66,12 +78,18 @@ def _ray_init(cfg: Config) -> None:
     env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **cfg.cluster.env_vars}
     if cfg.run.device == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
-    # the driver's working directory holds the project: actors import it from there (ray job submit sets it too)
-    runtime_env = {"env_vars": env}
-    if cfg.cluster.ray_address:
-        ray.init(address=cfg.cluster.ray_address, runtime_env=runtime_env, log_to_driver=True)
+    job_env = _job_env_vars()
+    if job_env is not None:
+        # Ray refuses to merge a key the job's runtime env already sets; workers get RAY_AUTH_MODE from the raylet
+        env = {k: v for k, v in env.items() if k not in job_env and k != "RAY_AUTH_MODE"}
+        if not Path(cfg.run.output_dir).is_absolute():
+            log.warning("run.output_dir=%r is relative: under `ray job submit` it lands in the job's temporary copy "
+                        "of the working dir; pass an absolute run.output_dir to keep the run", cfg.run.output_dir)
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
 
 
 class Trainer:
