@@ -10,6 +10,7 @@ Subcommands (``async-agent-rl COMMAND --help`` for each)::
     prepare          world + model for a config, idempotent (what the README's run command does first)
     rollout          run episodes with the current model and write them as JSON lines
     show             print episodes turn by turn, observations marked, with the loss mask
+    sft              supervised warm start on generated demonstration episodes
     train            the whole asynchronous system on Ray (the main job)
     eval             greedy exact match / F1 / searches / turns of a checkpoint on held-out questions
 """
@@ -255,8 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     from async_agent_rl.retriever.cli import register as register_retriever
+    from async_agent_rl.sft_cli import register as register_sft
 
     register_retriever(sub)
+    register_sft(sub)
     return parser
 
 

@@ -1,0 +1,313 @@
+"""Demonstration episodes for the supervised warm start (``async-agent-rl sft``): a scripted expert on the search world.
+
+The expert knows each train question's ``subject`` (and ``bridge`` entity for two-hop questions) and acts as the RL
+agent should::
+
+    single-hop  <think> I need to search {subject}. </think>\\n<search> {subject} </search>
+                [observation]
+                <think> I found the answer. </think>\\n<answer> {answer} </answer>
+    bridge      ... <search> {subject} </search> [observation]
+                <think> Now I need to search {bridge}. </think>\\n<search> {bridge} </search> [observation]
+                <think> I found the answer. </think>\\n<answer> {answer} </answer>
+
+Observations are what the retriever REALLY returns for the query (``backend.search([query], retriever.topk)``),
+rendered and cut exactly as ``actors.episode.EpisodeRunner`` does (``render_information`` + ``truncate_observation``
+to ``rollout.max_obs_length``, closing tag kept).
+
+Token structure (identical to a rollout, so SFT and RL train on the same kind of sequence):
+
+- ``prompt_ids`` = ``prompt_ids(tokenizer, [user message], data.apply_chat_template)`` with the message rendered by
+  ``render_question_prompt(question, data.prompt_template)`` (or the dataset's prompt with ``data.prompt_from``).
+- every model turn is tokenized ON ITS OWN, ends with its stop string (``</search>`` / ``</answer>``, no EOS), and
+  has ``loss_mask`` 1; every observation is tokenized on its own and has ``loss_mask`` 0. The transcript is never
+  re-tokenized.
+- the same budgets as a rollout: at most ``rollout.max_turns`` model turns, each within
+  ``min(max_tokens_per_turn, response budget left, context left)``, and an observation only when at least
+  ``min(8, max_tokens_per_turn)`` tokens remain after it for the next turn.
+
+A question the expert cannot demonstrate honestly (the retriever does not surface the answer or the bridge entity
+within the truncated observation, the episode does not fit the budgets, the question is not from the world) raises
+:class:`DemoError` in :func:`make_demonstration`; :func:`make_demonstrations` counts and logs those, never drops them
+silently (:class:`DemoReport`). Only train questions may be demonstrated: a ``split == "test"`` example is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from async_agent_rl.config import Config
+from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.prompts import prompt_ids, render_question_prompt
+from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
+from async_agent_rl.retriever.backends import Hit, SearchBackend
+from async_agent_rl.retriever.render import INFORMATION_CLOSE, render_information, truncate_observation
+from async_agent_rl.rewards import compute_rewards, exact_match
+
+log = logging.getLogger(__name__)
+
+# The expert's turns. Short on purpose: a tiny model learns short, regular strings fastest.
+SEARCH_TURN = "<think> I need to search {query}. </think>\n<search> {query} </search>"
+BRIDGE_TURN = "<think> Now I need to search {query}. </think>\n<search> {query} </search>"
+ANSWER_TURN = "<think> I found the answer. </think>\n<answer> {answer} </answer>"
+
+DEMO_VERSION = 0  # policy version stamped on demonstration tokens (no policy sampled them)
+
+
+class DemoError(ValueError):
+    """The expert cannot demonstrate this question; ``reason`` is a short stable key (counted in reports)."""
+
+    def __init__(self, question_id: str, reason: str, detail: str = ""):
+        super().__init__(f"question {question_id!r}: cannot demonstrate ({reason}){': ' + detail if detail else ''}")
+        self.question_id = question_id
+        self.reason = reason
+
+
+@dataclass
+class DemoReport:
+    """What :func:`make_demonstrations` did: demos made, distinct questions used, failures by reason."""
+
+    requested: int = 0
+    made: int = 0
+    questions: int = 0
+    failed: Counter = field(default_factory=Counter)
+    single_hop: int = 0
+    bridge: int = 0
+
+    @property
+    def num_failed(self) -> int:
+        return sum(self.failed.values())
+
+
+@dataclass
+class _Settings:
+    """The rollout budgets a demonstration must respect (``actors.episode.EpisodeSettings`` semantics)."""
+
+    max_turns: int
+    max_tokens_per_turn: int
+    max_response_length: int
+    max_obs_length: int
+    max_model_len: int
+    min_turn_tokens: int
+    topk: int
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "_Settings":
+        r = cfg.rollout
+        return cls(
+            max_turns=r.max_turns,
+            max_tokens_per_turn=r.max_tokens_per_turn,
+            max_response_length=r.max_response_length,
+            max_obs_length=r.max_obs_length,
+            max_model_len=cfg.model.max_model_len,
+            min_turn_tokens=min(8, r.max_tokens_per_turn),
+            topk=cfg.retriever.topk,
+        )
+
+
+class _Builder:
+    """Builds one demonstration trajectory turn by turn, enforcing the rollout's budgets."""
+
+    def __init__(self, ex: QAExample, prompt: list[int], s: _Settings):
+        self.ex, self.prompt, self.s = ex, prompt, s
+        self.resp: list[int] = []
+        self.mask: list[int] = []
+        self.turns: list[TurnSpan] = []
+        self.texts: list[str] = []
+
+    def _fail(self, reason: str, detail: str = "") -> DemoError:
+        return DemoError(self.ex.id, reason, detail)
+
+    def model_turn(self, ids: list[int], text: str) -> None:
+        s = self.s
+        if sum(t.kind == "model" for t in self.turns) >= s.max_turns:
+            raise self._fail("too_many_turns", f"rollout.max_turns={s.max_turns}")
+        budget = min(
+            s.max_tokens_per_turn,
+            s.max_response_length - len(self.resp),
+            s.max_model_len - len(self.prompt) - len(self.resp),
+        )
+        if len(ids) > budget:
+            raise self._fail("turn_too_long", f"{len(ids)} tokens, budget {budget}: {text!r}")
+        self._append("model", ids, 1, text)
+
+    def observation(self, ids: list[int], text: str) -> None:
+        after = len(self.resp) + len(ids)
+        if min(self.s.max_response_length - after, self.s.max_model_len - len(self.prompt) - after) < self.s.min_turn_tokens:
+            raise self._fail("response_budget", f"no room for a turn after a {len(ids)}-token observation")
+        self._append("observation", ids, 0, text)
+
+    def _append(self, kind: str, ids: list[int], m: int, text: str) -> None:
+        self.turns.append(TurnSpan(kind, len(self.resp), len(self.resp) + len(ids)))  # type: ignore[arg-type]
+        self.resp += ids
+        self.mask += [m] * len(ids)
+        self.texts.append(text)
+
+
+class DemoExpert:
+    """The scripted expert for one config + tokenizer + search backend; :meth:`demonstrate` builds one episode.
+
+    Retrieval results are cached per query (the backend is deterministic), and :meth:`prefetch` runs one batched
+    search for many questions.
+    """
+
+    def __init__(self, cfg: Config, tokenizer: Any, backend: SearchBackend):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.s = _Settings.from_config(cfg)
+        self._closing_ids = self._encode(INFORMATION_CLOSE)
+        self._hits: dict[str, list[Hit]] = {}
+        self._obs: dict[str, tuple[list[int], str]] = {}
+        self._reward_terms = [(t.name, t.weight) for t in cfg.reward.terms]
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids_for(self, ex: QAExample) -> list[int]:
+        """``EpisodeRunner.prompt_ids_for`` semantics."""
+        d = self.cfg.data
+        if d.prompt_from == "dataset" and ex.prompt_messages:
+            messages = ex.prompt_messages
+        else:
+            messages = [{"role": "user", "content": render_question_prompt(ex.question, d.prompt_template)}]
+        return prompt_ids(self.tokenizer, messages, d.apply_chat_template)
+
+    def prefetch(self, examples: Sequence[QAExample]) -> None:
+        queries = sorted(
+            {q for ex in examples for q in (ex.extra.get("subject"), ex.extra.get("bridge")) if q} - set(self._hits)
+        )
+        if queries:
+            self._hits.update(zip(queries, self.backend.search(queries, self.s.topk)))
+
+    def search(self, query: str) -> list[Hit]:
+        if query not in self._hits:
+            self._hits[query] = self.backend.search([query], self.s.topk)[0]
+        return self._hits[query]
+
+    def observation_ids(self, hits: Sequence[Hit]) -> list[int]:
+        """The observation exactly as ``EpisodeRunner`` appends it after a search returning ``hits``."""
+        return truncate_observation(self._encode(render_information(hits)), self.s.max_obs_length, self._closing_ids)
+
+    def _observation(self, query: str, hits: Sequence[Hit]) -> tuple[list[int], str]:
+        if query not in self._obs:
+            ids = self.observation_ids(hits)
+            self._obs[query] = (ids, self.tokenizer.decode(ids, skip_special_tokens=True))
+        ids, text = self._obs[query]
+        return list(ids), text
+
+    def plan(self, ex: QAExample) -> list[str]:
+        """The expert's search queries for ``ex``: [subject] or [subject, bridge]."""
+        subject, bridge, hops = ex.extra.get("subject"), ex.extra.get("bridge"), ex.extra.get("hops")
+        if not subject or hops not in (1, 2) or (hops == 2 and not bridge):
+            raise DemoError(ex.id, "not_a_world_question", "needs extra.subject, extra.hops (and extra.bridge)")
+        return [subject] if hops == 1 else [subject, bridge]
+
+    def demonstrate(self, ex: QAExample, trajectory_id: str = "") -> Trajectory:
+        """One demonstration episode for the train question ``ex``; raises :class:`DemoError`."""
+        if ex.split == "test":
+            raise DemoError(ex.id, "test_question", "demonstrations use train questions only")
+        queries = self.plan(ex)
+        answer = ex.gold_answers[0]
+        b = _Builder(ex, self.prompt_ids_for(ex), self.s)
+        retrieved: list[str] = []
+        for i, query in enumerate(queries):
+            text = (SEARCH_TURN if i == 0 else BRIDGE_TURN).format(query=query)
+            b.model_turn(self._encode(text), text)
+            hits = self.search(query)
+            retrieved += [h.contents for h in hits]
+            obs_ids, obs_text = self._observation(query, hits)
+            # what the next turn needs must be readable in the observation the model actually sees
+            needed = queries[i + 1] if i + 1 < len(queries) else answer
+            if needed not in obs_text:
+                reason = "bridge_not_retrieved" if i + 1 < len(queries) else "answer_not_retrieved"
+                raise DemoError(ex.id, reason, f"{needed!r} not in the observation for {query!r}")
+            b.observation(obs_ids, obs_text)
+        text = ANSWER_TURN.format(answer=answer)
+        ids = self._encode(text)
+        b.model_turn(ids, text)
+        response_text = "".join(b.texts)
+        if exact_match(self.tokenizer.decode(ids, skip_special_tokens=True), ex.gold_answers) != 1.0:
+            raise DemoError(ex.id, "answer_roundtrip", f"{answer!r} does not survive tokenization")
+        reward, parts = compute_rewards(self._reward_terms, response_text, ex.gold_answers, retrieved_texts=retrieved)
+        meta = EpisodeMeta(
+            data_source=ex.data_source,
+            question_id=ex.id,
+            group_id=f"demo/{ex.id}",
+            gold_answers=list(ex.gold_answers),
+            num_searches=len(queries),
+            num_turns=len(queries) + 1,
+            finish_reason="answer",
+            trajectory_id=trajectory_id or f"demo/{ex.id}",
+            extra={"demo": True, "hops": len(queries), "queries": list(queries)},
+        )
+        versions = [DEMO_VERSION if m else OBS_VERSION for m in b.mask]
+        traj = Trajectory(b.prompt, b.resp, b.mask, [0.0] * len(b.resp), versions, b.turns, reward, parts, meta)
+        return traj.validate()
+
+
+def make_demonstrations(
+    cfg: Config,
+    tokenizer: Any,
+    examples: Sequence[QAExample],
+    backend: SearchBackend,
+    n: int,
+    seed: int = 0,
+    report: DemoReport | None = None,
+) -> list[Trajectory]:
+    """``n`` demonstration trajectories from the train questions ``examples`` (shuffled with ``seed``).
+
+    Each question is demonstrated at most once per pass; when ``n`` exceeds the demonstrable questions, further
+    passes (reshuffled) repeat them. Questions that raise :class:`DemoError` are counted in ``report.failed`` by
+    reason and logged (once each). Raises ``ValueError`` for a test-split example, and :class:`DemoError` when no
+    question can be demonstrated at all.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    test = [ex.id for ex in examples if ex.split == "test"]
+    if test:
+        raise ValueError(f"demonstrations use train questions only; got {len(test)} test questions, e.g. {test[0]!r}")
+    report = report if report is not None else DemoReport()
+    report.requested += n
+    expert = DemoExpert(cfg, tokenizer, backend)
+    expert.prefetch(examples)
+    rng = random.Random(seed)
+    cache: dict[str, Trajectory | None] = {}
+    out: list[Trajectory] = []
+    while len(out) < n:
+        order = list(examples)
+        rng.shuffle(order)
+        before = len(out)
+        for ex in order:
+            if len(out) == n:
+                break
+            if ex.id not in cache:
+                try:
+                    cache[ex.id] = expert.demonstrate(ex)
+                except DemoError as e:
+                    cache[ex.id] = None
+                    report.failed[e.reason] += 1
+                    log.info("%s", e)
+            demo = cache[ex.id]
+            if demo is not None:
+                out.append(_copy_with_id(demo, f"demo/{len(out)}"))
+        if len(out) == before:
+            raise DemoError("*", "no_demonstrable_question", f"none of {len(examples)} questions could be demonstrated")
+    report.made += len(out)
+    report.questions += sum(d is not None for d in cache.values())
+    report.single_hop += sum(d.meta.extra["hops"] == 1 for d in out)
+    report.bridge += sum(d.meta.extra["hops"] == 2 for d in out)
+    if report.num_failed:
+        log.warning("demonstrations: %d questions could not be demonstrated: %s", report.num_failed, dict(report.failed))
+    return out
+
+
+def _copy_with_id(t: Trajectory, trajectory_id: str) -> Trajectory:
+    meta = EpisodeMeta(**{**t.meta.__dict__, "trajectory_id": trajectory_id, "extra": dict(t.meta.extra)})
+    return Trajectory(
+        list(t.prompt_ids), list(t.response_ids), list(t.loss_mask), list(t.behavior_logprobs), list(t.versions),
+        list(t.turns), t.reward, dict(t.reward_components), meta,
+    )

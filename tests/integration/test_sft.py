@@ -1,0 +1,142 @@
+"""The supervised warm start: masked NLL (shift and masking), a real short SFT run, and the format it teaches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from async_agent_rl.batch import pack_batch
+from async_agent_rl.config import load_config
+from async_agent_rl.data.corpus import read_corpus
+from async_agent_rl.data.search_r1 import read_qa_parquet
+from async_agent_rl.demos import make_demonstrations
+from async_agent_rl.prompts import prompt_ids, render_question_prompt
+from async_agent_rl.retriever.backends import BM25Backend
+from learner.sft import METRICS_FILE, corpus_pretrain_texts, evaluate_nll, masked_nll, run_sft
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def setup(world_dir, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "model.max_model_len=1024",
+            f"data.train_files=[{world_dir / 'train.parquet'}]",
+            f"data.test_files=[{world_dir / 'test.parquet'}]",
+            f"data.corpus_file={world_dir / 'corpus.jsonl'}",
+            "data.prompt_template=minimal",
+            "rollout.max_tokens_per_turn=48",
+            "rollout.max_response_length=384",
+            "rollout.max_obs_length=160",
+            "sft.batch_size=16",
+            "sft.epochs=2",
+            "sft.lr=3e-3",
+            "sft.warmup_steps=5",
+        ],
+    )
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    train = read_qa_parquet(world_dir / "train.parquet")
+    backend = BM25Backend.build(read_corpus(world_dir / "corpus.jsonl"))
+    fit, held = train[:400], train[400:700]  # disjoint questions: the held-out NLL is not memorization
+    demos = make_demonstrations(cfg, tok, fit, backend, 192, seed=0)
+    held_demos = make_demonstrations(cfg, tok, held, backend, 48, seed=0)
+    return cfg, tok, train, demos, held_demos, backend
+
+
+def _model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_masked_nll_is_the_shifted_causal_lm_loss_on_model_tokens(setup, tiny_model_dir):
+    """Same number as transformers' own shifted loss with labels -100 outside model turns."""
+    _, tok, _, demos, _, _ = setup
+    model = _model(tiny_model_dir).eval()
+    b = pack_batch(demos[:6], tok.pad_token_id)
+    with torch.no_grad():
+        ours, n = masked_nll(model, b.input_ids, b.attention_mask, b.loss_mask)
+        labels = torch.where(b.loss_mask > 0, b.input_ids, torch.full_like(b.input_ids, -100))
+        ref = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=labels).loss
+    assert n == int(b.loss_mask.sum()) == sum(d.num_generated_tokens for d in demos[:6])
+    assert torch.allclose(ours, ref, atol=1e-5)
+
+
+def test_observation_and_prompt_targets_do_not_change_the_loss(setup, tiny_model_dir):
+    _, tok, _, demos, _, _ = setup
+    model = _model(tiny_model_dir).eval()
+    b = pack_batch(demos[:4], tok.pad_token_id)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        base, _ = masked_nll(model, b.input_ids, b.attention_mask, b.loss_mask)
+        noise = torch.randint(0, len(tok), b.input_ids.shape, generator=g)
+        off = b.loss_mask == 0  # prompt, observation and padding positions
+        assert off[b.attention_mask > 0].any()
+        masked_changed = torch.where(off, noise, b.input_ids)
+        same, _ = masked_nll(model, b.input_ids, b.attention_mask, b.loss_mask, targets=masked_changed)
+        one_model_token = b.input_ids.clone()
+        r, c = (b.loss_mask > 0).nonzero()[0].tolist()
+        one_model_token[r, c] = (one_model_token[r, c] + 1) % len(tok)
+        moved, _ = masked_nll(model, b.input_ids, b.attention_mask, b.loss_mask, targets=one_model_token)
+    assert torch.equal(same, base)
+    assert not torch.allclose(moved, base)
+
+
+def test_sft_lowers_held_out_nll_and_teaches_the_search_format(setup, tmp_path):
+    cfg, tok, train, demos, held, backend = setup
+    before = evaluate_nll(_model(cfg.model.path), held, tok.pad_token_id)
+    texts = corpus_pretrain_texts(backend.passages, train)
+    summary = run_sft(cfg, cfg.model.path, tmp_path / "sft", demos=demos, pretrain_texts=texts, pretrain_steps=10)
+    assert summary["steps"] == 2 * 192 // 16 and summary["demos"] == 192 and summary["pretrain_steps"] == 10
+    lines = [json.loads(x) for x in (tmp_path / "sft" / METRICS_FILE).read_text().splitlines()]
+    assert [(m["stage"], m["step"]) for m in lines] == [("pretrain", i) for i in range(1, 11)] + [
+        ("sft", i) for i in range(1, summary["steps"] + 1)
+    ]
+
+    tuned = _model(tmp_path / "sft").eval()  # what save_pretrained wrote, tokenizer included
+    after = evaluate_nll(tuned, held, tok.pad_token_id)
+    assert after < 0.4 * before, (before, after)
+    assert summary["final_loss"] < 0.5 * summary["first_loss"]
+
+    from transformers import AutoTokenizer
+
+    tok2 = AutoTokenizer.from_pretrained(tmp_path / "sft")
+    question = render_question_prompt(train[900].question, "minimal")
+    ids = torch.tensor([prompt_ids(tok2, [{"role": "user", "content": question}], True)])
+    with torch.no_grad():
+        out = tuned.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    text = tok2.decode(out[0, ids.shape[1] :])
+    assert text.startswith(("<think>", "<search>")), text
+
+
+def test_corpus_pretraining_texts_are_train_subject_passages_only(setup, world_dir):
+    _, _, train, _, _, backend = setup
+    test_subjects = {ex.extra["subject"] for ex in read_qa_parquet(world_dir / "test.parquet")}
+    texts = corpus_pretrain_texts(backend.passages, train)
+    titles = {t.split("(Title: ", 1)[1].split(")", 1)[0].strip('"') for t in texts}
+    assert titles == {ex.extra["subject"] for ex in train}
+    assert titles.isdisjoint(test_subjects)
+    assert all(t.startswith("Doc 1(Title: ") for t in texts)
+
+
+def test_sft_is_deterministic_for_a_seed(setup, tmp_path):
+    cfg, _, train, demos, _, backend = setup
+    short = cfg.model_copy(deep=True)
+    short.sft.epochs = 1
+    texts = corpus_pretrain_texts(backend.passages, train)
+    kw = dict(demos=demos[:32], pretrain_texts=texts, pretrain_steps=2, log_every=0)
+    a = run_sft(short, cfg.model.path, tmp_path / "a", **kw)
+    b = run_sft(short, cfg.model.path, tmp_path / "b", **kw)
+    la = (tmp_path / "a" / METRICS_FILE).read_text().splitlines()
+    lb = (tmp_path / "b" / METRICS_FILE).read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in la] == [json.loads(x)["loss"] for x in lb]
+    assert a["final_loss"] == b["final_loss"]
+    wa, wb = _model(tmp_path / "a").state_dict(), _model(tmp_path / "b").state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -1,0 +1,205 @@
+"""Demonstration episodes have exactly a rollout's token structure, real BM25 observations, and correct answers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import pytest
+
+from actors.engine import TurnOutput, TurnRequest
+from actors.episode import EpisodeRunner, EpisodeSettings, parse_action
+from async_agent_rl.config import load_config
+from async_agent_rl.data.corpus import read_corpus
+from async_agent_rl.data.search_r1 import read_qa_parquet
+from async_agent_rl.demos import DemoError, DemoExpert, DemoReport, make_demonstrations
+from async_agent_rl.retriever.backends import BM25Backend
+from async_agent_rl.retriever.render import INFORMATION_CLOSE, render_information, truncate_observation
+from async_agent_rl.rewards import exact_match, is_valid_format
+
+N = 120
+
+
+@pytest.fixture(scope="module")
+def setup(world_dir, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "model.max_model_len=1024",
+            f"data.train_files=[{world_dir / 'train.parquet'}]",
+            f"data.test_files=[{world_dir / 'test.parquet'}]",
+            f"data.corpus_file={world_dir / 'corpus.jsonl'}",
+            "data.prompt_template=minimal",
+            "rollout.max_turns=4",
+            "rollout.max_tokens_per_turn=48",
+            "rollout.max_response_length=384",
+            "rollout.max_obs_length=160",
+        ],
+    )
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    train = read_qa_parquet(world_dir / "train.parquet")
+    test = read_qa_parquet(world_dir / "test.parquet")
+    backend = BM25Backend.build(read_corpus(world_dir / "corpus.jsonl"))
+    report = DemoReport()
+    demos = make_demonstrations(cfg, tok, train, backend, N, seed=0, report=report)
+    return cfg, tok, train, test, backend, demos, report
+
+
+class ReplayEngine:
+    """A scripted policy: emits the given model turns (token ids) in order, as an engine would return them."""
+
+    version = 0
+
+    def __init__(self, tokenizer, turns: list[list[int]]):
+        self.tokenizer, self.turns = tokenizer, list(turns)
+
+    async def generate(self, req: TurnRequest) -> TurnOutput:
+        ids = self.turns.pop(0)
+        assert len(ids) <= req.max_tokens, "a demo turn exceeds the rollout's token budget for that turn"
+        return TurnOutput(ids, [0.0] * len(ids), [0] * len(ids), self.tokenizer.decode(ids), "stop")
+
+
+class BackendSearch:
+    def __init__(self, backend, topk):
+        self.backend, self.topk = backend, topk
+
+    async def search(self, query):
+        return self.backend.search([query], self.topk)[0]
+
+
+def model_turn_ids(t):
+    return [t.response_ids[s.start : s.end] for s in t.turns if s.kind == "model"]
+
+
+def test_demos_replay_identically_through_the_rollout_loop(setup):
+    """The real EpisodeRunner, fed the demo's model turns and real BM25 search, rebuilds the demo token for token."""
+    cfg, tok, train, _, backend, demos, _ = setup
+    by_id = {ex.id: ex for ex in train}
+    settings = EpisodeSettings.from_config(cfg)
+    hops = set()
+    for d in demos[:40]:
+        ex = by_id[d.meta.question_id]
+        runner = EpisodeRunner(ReplayEngine(tok, model_turn_ids(d)), BackendSearch(backend, cfg.retriever.topk), tok, settings)
+        got = asyncio.run(runner.run(ex))
+        assert got.prompt_ids == d.prompt_ids
+        assert got.response_ids == d.response_ids
+        assert got.loss_mask == d.loss_mask
+        assert got.turns == d.turns
+        assert got.meta.finish_reason == "answer" and got.reward == d.reward == 1.0
+        hops.add(d.meta.extra["hops"])
+    assert hops == {1, 2}, "the sample should hold both single-hop and bridge demonstrations"
+
+
+def test_mask_is_one_exactly_on_model_turns_and_observations_are_real_bm25(setup):
+    cfg, tok, _, _, backend, demos, _ = setup
+    closing = tok.encode(INFORMATION_CLOSE, add_special_tokens=False)
+    for d in demos:
+        assert d.turns[0].kind == "model" and d.turns[-1].kind == "model"
+        assert [s.kind for s in d.turns] == ["model", "observation"] * d.meta.num_searches + ["model"]
+        query = None
+        for s in d.turns:
+            ids = d.response_ids[s.start : s.end]
+            if s.kind == "model":
+                assert d.loss_mask[s.start : s.end] == [1] * len(ids)
+                text = tok.decode(ids)
+                # tokenized on its own; ends at the stop string, no EOS
+                assert tok.encode(text, add_special_tokens=False) == ids
+                assert text.endswith(("</search>", "</answer>")) and tok.eos_token_id not in ids
+                assert len(ids) <= cfg.rollout.max_tokens_per_turn
+                action, query = parse_action(text)
+            else:
+                assert d.loss_mask[s.start : s.end] == [0] * len(ids)
+                hits = backend.search([query], cfg.retriever.topk)[0]
+                want = tok.encode(render_information(hits), add_special_tokens=False)
+                assert ids == truncate_observation(want, cfg.rollout.max_obs_length, closing)
+        assert len(d.response_ids) <= cfg.rollout.max_response_length
+
+
+def test_prompt_is_the_rollout_prompt(setup):
+    cfg, tok, train, _, backend, demos, _ = setup
+    by_id = {ex.id: ex for ex in train}
+    from async_agent_rl.prompts import prompt_ids, render_question_prompt
+
+    for d in demos[:20]:
+        msg = render_question_prompt(by_id[d.meta.question_id].question, "minimal")
+        assert d.prompt_ids == prompt_ids(tok, [{"role": "user", "content": msg}], True)
+
+
+def test_expert_searches_subject_then_bridge_and_answers_correctly(setup):
+    _, tok, train, _, _, demos, report = setup
+    by_id = {ex.id: ex for ex in train}
+    for d in demos:
+        ex = by_id[d.meta.question_id]
+        turns = [tok.decode(ids) for ids in model_turn_ids(d)]
+        searches = [parse_action(t)[1] for t in turns[:-1]]
+        want = [ex.extra["subject"]] + ([ex.extra["bridge"]] if ex.extra["hops"] == 2 else [])
+        assert searches == want
+        assert parse_action(turns[-1])[0] == "answer"
+        assert exact_match(turns[-1], ex.gold_answers) == 1.0
+        assert turns[0].startswith("<think>")
+        full = tok.decode(d.response_ids)
+        assert is_valid_format(full)
+        assert d.reward == 1.0 and d.meta.extra["demo"] is True
+    assert report.made == len(demos) == N and report.single_hop + report.bridge == N and report.bridge > 0
+
+
+def test_only_train_questions(setup):
+    cfg, tok, train, test, backend, demos, _ = setup
+    train_ids = {ex.id for ex in train}
+    assert {d.meta.question_id for d in demos} <= train_ids
+    with pytest.raises(ValueError, match="train questions only"):
+        make_demonstrations(cfg, tok, train[:5] + test[:1], backend, 3)
+    with pytest.raises(DemoError, match="test_question"):
+        DemoExpert(cfg, tok, backend).demonstrate(test[0])
+
+
+def test_unsurfaced_answer_is_a_counted_logged_demo_error(setup, caplog):
+    cfg, tok, train, _, backend, _, _ = setup
+    single = next(ex for ex in train if ex.extra["hops"] == 1)
+    bridge = next(ex for ex in train if ex.extra["hops"] == 2)
+    wrong = dataclasses.replace(single, id="bad-answer", gold_answers=["Nowhereland"])
+    bad_bridge = dataclasses.replace(bridge, id="bad-bridge", extra={**bridge.extra, "bridge": "Nowhereland"})
+    expert = DemoExpert(cfg, tok, backend)
+    with pytest.raises(DemoError) as e:
+        expert.demonstrate(wrong)
+    assert e.value.reason == "answer_not_retrieved"
+    with pytest.raises(DemoError) as e:
+        expert.demonstrate(bad_bridge)
+    assert e.value.reason == "bridge_not_retrieved"
+
+    report = DemoReport()
+    with caplog.at_level(logging.INFO, logger="async_agent_rl.demos"):
+        demos = make_demonstrations(cfg, tok, [wrong, bad_bridge, *train[:10]], backend, 10, report=report)
+    assert len(demos) == 10 and {d.meta.question_id for d in demos}.isdisjoint({"bad-answer", "bad-bridge"})
+    assert report.failed == {"answer_not_retrieved": 1, "bridge_not_retrieved": 1} and report.num_failed == 2
+    assert "bad-answer" in caplog.text and "bad-bridge" in caplog.text
+
+
+def test_budget_violations_are_demo_errors(setup):
+    cfg, tok, train, _, backend, _, _ = setup
+    tight = cfg.model_copy(deep=True)
+    tight.rollout.max_tokens_per_turn = 6
+    with pytest.raises(DemoError) as e:
+        DemoExpert(tight, tok, backend).demonstrate(train[0])
+    assert e.value.reason == "turn_too_long"
+    short = cfg.model_copy(deep=True)
+    short.rollout.max_response_length = 40
+    with pytest.raises(DemoError) as e:
+        DemoExpert(short, tok, backend).demonstrate(train[0])
+    assert e.value.reason == "response_budget"
+
+
+def test_sampling_is_seeded_and_repeats_when_n_exceeds_questions(setup):
+    cfg, tok, train, _, backend, _, _ = setup
+    a = make_demonstrations(cfg, tok, train[:30], backend, 12, seed=1)
+    b = make_demonstrations(cfg, tok, train[:30], backend, 12, seed=1)
+    c = make_demonstrations(cfg, tok, train[:30], backend, 12, seed=2)
+    ids = lambda ds: [d.meta.question_id for d in ds]  # noqa: E731
+    assert ids(a) == ids(b) and ids(a) != ids(c)
+    many = make_demonstrations(cfg, tok, train[:5], backend, 12)
+    assert len(many) == 12 and len(set(ids(many))) == 5
+    assert len({d.meta.trajectory_id for d in many}) == 12
