@@ -40,6 +40,10 @@ INVALID_ACTION_OBSERVATION = (
 )
 
 
+class PromptTooLongError(ValueError):
+    """The chat-templated prompt exceeds ``data.max_prompt_length``; the worker counts the episode as failed."""
+
+
 def parse_action(text: str) -> tuple[str | None, str]:
     """Search-R1's action: the FIRST ``<search>..</search>`` or ``<answer>..</answer>``; (None, "") if neither."""
     m = _ACTION.search(text)
@@ -68,6 +72,7 @@ class EpisodeSettings:
     top_k: int = -1
     min_turn_tokens: int = 8
     reward_terms: list[tuple[str, float]] = field(default_factory=lambda: [("exact_match", 1.0)])
+    max_prompt_length: int = 4096
     prompt_template: str = "search_r1"
     prompt_from: str = "template"
     apply_chat_template: bool = True
@@ -86,6 +91,7 @@ class EpisodeSettings:
             top_k=r.top_k,
             min_turn_tokens=min(8, r.max_tokens_per_turn),
             reward_terms=[(t.name, t.weight) for t in cfg.reward.terms],
+            max_prompt_length=cfg.data.max_prompt_length,
             prompt_template=cfg.data.prompt_template,
             prompt_from=cfg.data.prompt_from,
             apply_chat_template=cfg.data.apply_chat_template,
@@ -119,6 +125,10 @@ class EpisodeRunner:
     ) -> Trajectory:
         s = self.s
         prompt = self.prompt_ids_for(ex)
+        if len(prompt) > s.max_prompt_length:
+            raise PromptTooLongError(
+                f"question {ex.id}: prompt has {len(prompt)} tokens, data.max_prompt_length is {s.max_prompt_length}"
+            )
         resp: list[int] = []
         mask: list[int] = []
         logps: list[float] = []

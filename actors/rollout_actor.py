@@ -56,7 +56,8 @@ class RolloutActor:
         runner = EpisodeRunner(
             self.engine, self.search, AutoTokenizer.from_pretrained(self.model_path), EpisodeSettings.from_config(cfg)
         )
-        prompts = PromptSource(examples, shard=self.index, num_shards=cfg.rollout.num_actors, seed=cfg.data.seed)
+        prompts = PromptSource(examples, shard=self.index, num_shards=cfg.rollout.num_actors, seed=cfg.data.seed,
+                               shuffle=cfg.data.shuffle)
         self.worker = RolloutWorker(
             runner,
             iter(prompts),

@@ -35,19 +35,23 @@ Lost = Callable[[list[str]], Awaitable[None]]  # group id of each episode that w
 
 
 class PromptSource:
-    """Endless shuffled pass over a shard of the dataset (shard ``index`` of ``count``), reshuffled each epoch."""
+    """Endless passes over a shard of the dataset (shard ``index`` of ``count``), reshuffled each epoch."""
 
-    def __init__(self, examples: Sequence[QAExample], shard: int = 0, num_shards: int = 1, seed: int = 0):
+    def __init__(
+        self, examples: Sequence[QAExample], shard: int = 0, num_shards: int = 1, seed: int = 0, shuffle: bool = True
+    ):
         self.examples = [ex for i, ex in enumerate(examples) if i % num_shards == shard]
         if not self.examples:
             raise ValueError(f"dataset shard {shard}/{num_shards} is empty ({len(examples)} examples in total)")
         self._rng = random.Random(seed * 7919 + shard)
+        self.shuffle = shuffle
         self.epoch = 0
 
     def __iter__(self) -> Iterator[QAExample]:
         while True:
             order = list(self.examples)
-            self._rng.shuffle(order)
+            if self.shuffle:
+                self._rng.shuffle(order)
             yield from order
             self.epoch += 1
 

@@ -124,7 +124,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         async with local_stack(cfg, model) as stack:
             worker = RolloutWorker(
                 stack.runner,
-                iter(PromptSource(examples, seed=cfg.data.seed)),
+                iter(PromptSource(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)),
                 sink,
                 group_size=cfg.rollout.group_size,
                 max_concurrent=cfg.rollout.max_concurrent_episodes,

@@ -89,8 +89,8 @@ class DataConfig(_Section):
     )
     apply_chat_template: bool = Field(True, description="instruct-style chat template (False: base-style plain text)")
     on_bad_row: Literal["error", "skip"] = "error"
-    max_prompt_length: int = Field(512, ge=16)
-    shuffle: bool = True
+    max_prompt_length: int = Field(512, ge=16, description="longer prompts are skipped (counted failed episode)")
+    shuffle: bool = Field(True, description="rollout prompts in a fresh seeded order each pass (False: file order)")
     seed: int = 0
 
 
@@ -183,7 +183,6 @@ class AlgorithmConfig(_Section):
     vf_coef: float = Field(0.5, ge=0)
     value_clip: float = Field(0.2, ge=0)
     mask_observations: bool = Field(True, description="observation tokens take no loss (Search-R1's ablation knob)")
-    group_filter: Literal["none", "zero_variance"] = "none"
 
 
 class RewardTerm(_Section):
@@ -271,7 +270,6 @@ class ClusterConfig(_Section):
 class RunConfig(_Section):
     name: str = "quickstart"
     output_dir: str = "runs"
-    seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
 
 

@@ -151,3 +151,11 @@ def test_dead_retriever_gives_masked_error_observation_not_a_crash(tok, person):
     assert "Search failed (connection)" in tok.decode(traj.response_ids[obs.start : obs.end])
     assert traj.meta.num_search_errors == 1 and traj.loss_mask[obs.start : obs.end] == [0] * obs.length
     assert traj.reward == 1.0  # the episode went on to its answer
+
+
+def test_overlong_prompt_is_refused_with_a_clear_error(server, tok):
+    from actors.episode import PromptTooLongError
+
+    ex = QAExample(id="long", question="word " * 400, gold_answers=["x"])
+    with pytest.raises(PromptTooLongError, match="question long: prompt has"):
+        asyncio.run(_episode(server.url, tok, ["<answer> x </answer>"], ex, max_prompt_length=64))
