@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = [
     "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=8",
     "rollout.group_size=4", "rollout.max_concurrent_episodes=16", "eval.num_questions=8",
-    "monitoring.enabled=false",
+    "monitoring.enabled=false", "sft.enabled=false",
 ]  # fmt: skip
 
 
