@@ -39,6 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from actors.episode import EpisodeSettings
 from async_agent_rl.config import Config
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.prompts import prompt_ids, render_question_prompt
@@ -82,36 +83,10 @@ class DemoReport:
         return sum(self.failed.values())
 
 
-@dataclass
-class _Settings:
-    """The rollout budgets a demonstration must respect (``actors.episode.EpisodeSettings`` semantics)."""
-
-    max_turns: int
-    max_tokens_per_turn: int
-    max_response_length: int
-    max_obs_length: int
-    max_model_len: int
-    min_turn_tokens: int
-    topk: int
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> "_Settings":
-        r = cfg.rollout
-        return cls(
-            max_turns=r.max_turns,
-            max_tokens_per_turn=r.max_tokens_per_turn,
-            max_response_length=r.max_response_length,
-            max_obs_length=r.max_obs_length,
-            max_model_len=cfg.model.max_model_len,
-            min_turn_tokens=min(8, r.max_tokens_per_turn),
-            topk=cfg.retriever.topk,
-        )
-
-
 class _Builder:
     """Builds one demonstration trajectory turn by turn, enforcing the rollout's budgets."""
 
-    def __init__(self, ex: QAExample, prompt: list[int], s: _Settings):
+    def __init__(self, ex: QAExample, prompt: list[int], s: EpisodeSettings):
         self.ex, self.prompt, self.s = ex, prompt, s
         self.resp: list[int] = []
         self.mask: list[int] = []
@@ -158,7 +133,8 @@ class DemoExpert:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.backend = backend
-        self.s = _Settings.from_config(cfg)
+        self.s = EpisodeSettings.from_config(cfg)
+        self.topk = cfg.retriever.topk
         self._closing_ids = self._encode(INFORMATION_CLOSE)
         self._hits: dict[str, list[Hit]] = {}
         self._obs: dict[str, tuple[list[int], str]] = {}
@@ -181,11 +157,11 @@ class DemoExpert:
             {q for ex in examples for q in (ex.extra.get("subject"), ex.extra.get("bridge")) if q} - set(self._hits)
         )
         if queries:
-            self._hits.update(zip(queries, self.backend.search(queries, self.s.topk)))
+            self._hits.update(zip(queries, self.backend.search(queries, self.topk)))
 
     def search(self, query: str) -> list[Hit]:
         if query not in self._hits:
-            self._hits[query] = self.backend.search([query], self.s.topk)[0]
+            self._hits[query] = self.backend.search([query], self.topk)[0]
         return self._hits[query]
 
     def observation_ids(self, hits: Sequence[Hit]) -> list[int]:
