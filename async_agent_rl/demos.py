@@ -21,26 +21,32 @@ Token structure (identical to a rollout, so SFT and RL train on the same kind of
 - every model turn is tokenized ON ITS OWN, ends with its stop string (``</search>`` / ``</answer>``, no EOS), and
   has ``loss_mask`` 1; every observation is tokenized on its own and has ``loss_mask`` 0. The transcript is never
   re-tokenized.
-- the same budgets as a rollout: at most ``rollout.max_turns`` model turns, each within
+- the same budgets as a rollout (``actors.episode.EpisodeSettings``): at most ``max_turns`` model turns, each within
   ``min(max_tokens_per_turn, response budget left, context left)``, and an observation only when at least
-  ``min(8, max_tokens_per_turn)`` tokens remain after it for the next turn.
+  ``min_turn_tokens`` remain after it for the next turn.
 
 A question the expert cannot demonstrate honestly (the retriever does not surface the answer or the bridge entity
 within the truncated observation, the episode does not fit the budgets, the question is not from the world) raises
-:class:`DemoError` in :func:`make_demonstration`; :func:`make_demonstrations` counts and logs those, never drops them
-silently (:class:`DemoReport`). Only train questions may be demonstrated: a ``split == "test"`` example is refused.
+:class:`DemoError` in :meth:`DemoExpert.demonstrate`; :func:`make_demonstrations` counts and logs those, never drops
+them silently (:class:`DemoReport`). Only train questions may be demonstrated: a ``split == "test"`` example is refused.
+
+:func:`shuffled_world_observations` makes the text of the optional pretraining stage of ``learner.sft``: observations
+about every entity of the world with all facts shuffled (reading and copying, no true fact).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from actors.episode import EpisodeSettings
 from async_agent_rl.config import Config
+from async_agent_rl.data.corpus import Passage
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.prompts import prompt_ids, render_question_prompt
 from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
@@ -111,7 +117,8 @@ class _Builder:
 
     def observation(self, ids: list[int], text: str) -> None:
         after = len(self.resp) + len(ids)
-        if min(self.s.max_response_length - after, self.s.max_model_len - len(self.prompt) - after) < self.s.min_turn_tokens:
+        room = min(self.s.max_response_length - after, self.s.max_model_len - len(self.prompt) - after)
+        if room < self.s.min_turn_tokens:
             raise self._fail("response_budget", f"no room for a turn after a {len(ids)}-token observation")
         self._append("observation", ids, 0, text)
 
@@ -277,7 +284,7 @@ def make_demonstrations(
     report.single_hop += sum(d.meta.extra["hops"] == 1 for d in out)
     report.bridge += sum(d.meta.extra["hops"] == 2 for d in out)
     if report.num_failed:
-        log.warning("demonstrations: %d questions could not be demonstrated: %s", report.num_failed, dict(report.failed))
+        log.warning("demonstrations: %d questions not demonstrable: %s", report.num_failed, dict(report.failed))
     return out
 
 
@@ -287,3 +294,43 @@ def _copy_with_id(t: Trajectory, trajectory_id: str) -> Trajectory:
         list(t.prompt_ids), list(t.response_ids), list(t.loss_mask), list(t.behavior_logprobs), list(t.versions),
         list(t.turns), t.reward, dict(t.reward_components), meta,
     )
+
+
+def shuffled_world_observations(world_file: str | Path, copies: int, seed: int = 0, max_docs: int = 3) -> list[str]:
+    """Observation-style texts about the world's entities with every fact SHUFFLED, for corpus pretraining.
+
+    ``world_file`` is the ``world.json`` entity table that ``write_world`` writes. For each of ``copies`` copies,
+    each attribute column is permuted among the entities of one kind (a person gets some person's birth city, some
+    person's employer, ...), each entity is described with ``world.describe`` in its corpus format, and the passages
+    are grouped 1..``max_docs`` at a time and rendered with ``render_information`` exactly like a search result.
+
+    Every name of the world (test subjects included) appears in the same contexts as in real observations, so a
+    model pretrained on these texts learns to read the format and to copy any name; no true fact about any entity
+    is taught (a value matches the truth only by chance, differently in every copy), so held-out answers stay
+    reachable only by searching.
+    """
+    from async_agent_rl.data.world import Entity, describe
+
+    table = json.loads(Path(world_file).read_text())
+    by_kind: dict[str, list[str]] = {}
+    for name, row in table.items():
+        by_kind.setdefault(row["kind"], []).append(name)
+    rng = random.Random(seed)
+    texts: list[str] = []
+    for _ in range(copies):
+        passages = []
+        for kind, names in by_kind.items():
+            attrs = [a for a in table[names[0]] if a != "kind"]
+            columns = {a: [table[n][a] for n in names] for a in attrs}
+            for col in columns.values():
+                rng.shuffle(col)
+            for i, name in enumerate(names):
+                e = Entity(kind, name, {a: columns[a][i] for a in attrs})
+                passages.append(Passage(str(len(passages)), f'"{name}"\n{describe(e)}'))
+        rng.shuffle(passages)
+        i = 0
+        while i < len(passages):
+            k = rng.randint(1, max_docs)
+            texts.append(render_information(passages[i : i + k]))
+            i += k
+    return texts

@@ -2,10 +2,11 @@
 
     async-agent-rl sft --config configs/quickstart.yaml [--out DIR] [--pretrain-steps N] [sft.epochs=3 ...]
 
-Reads the model at ``model.path``, demonstrates ``sft.num_demos`` train questions with the configured retriever,
-optionally first runs N steps of next-token pretraining on the train subjects' corpus passages (a random-init model
-needs it to learn copying; see ``learner.sft.pretrain_on_corpus``), trains on the demonstrations, and writes the fine-tuned model + tokenizer (``save_pretrained``), ``sft_metrics.jsonl`` and
-``sft_summary.json`` to ``--out`` (default ``<run_dir>/sft``). Point ``model.path`` of the RL run at that folder.
+Reads the model at ``model.path``; optionally runs N steps of next-token pretraining on shuffled-fact observations of
+the world (a random-init model needs them to learn copying names; see ``learner.sft.run_sft``); demonstrates
+``sft.num_demos`` train questions with the configured retriever and trains on them; writes the fine-tuned model +
+tokenizer (``save_pretrained``), ``sft_config.yaml``, ``sft_metrics.jsonl`` and ``sft_summary.json`` to ``--out``
+(default ``<run_dir>/sft``). Point ``model.path`` of the RL run at that folder.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default: <run.output_dir>/<run.name>/sft)")
     p.add_argument(
         "--pretrain-steps", type=int, default=None,
-        help="next-token steps on the train subjects' passages before SFT (default: sft.pretrain_steps if the "
-        "config has it, else 0)",
+        help="next-token steps on shuffled-fact world observations before SFT (default: sft.pretrain_steps if "
+        "the config has it, else 0; 300 for the quickstart)",
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.epochs=3")
     p.set_defaults(func=cmd_sft)

@@ -14,7 +14,7 @@ from async_agent_rl.data.search_r1 import read_qa_parquet
 from async_agent_rl.demos import make_demonstrations
 from async_agent_rl.prompts import prompt_ids, render_question_prompt
 from async_agent_rl.retriever.backends import BM25Backend
-from learner.sft import METRICS_FILE, corpus_pretrain_texts, evaluate_nll, masked_nll, run_sft
+from learner.sft import METRICS_FILE, entity_token_ids, evaluate_nll, masked_nll, run_sft
 
 pytestmark = pytest.mark.integration
 
@@ -31,12 +31,13 @@ def setup(world_dir, tiny_model_dir):
             f"data.train_files=[{world_dir / 'train.parquet'}]",
             f"data.test_files=[{world_dir / 'test.parquet'}]",
             f"data.corpus_file={world_dir / 'corpus.jsonl'}",
+            f"data.world_dir={world_dir}",
             "data.prompt_template=minimal",
             "rollout.max_tokens_per_turn=48",
             "rollout.max_response_length=384",
             "rollout.max_obs_length=160",
             "sft.batch_size=16",
-            "sft.epochs=2",
+            "sft.epochs=3",
             "sft.lr=3e-3",
             "sft.warmup_steps=5",
         ],
@@ -92,9 +93,8 @@ def test_observation_and_prompt_targets_do_not_change_the_loss(setup, tiny_model
 def test_sft_lowers_held_out_nll_and_teaches_the_search_format(setup, tmp_path):
     cfg, tok, train, demos, held, backend = setup
     before = evaluate_nll(_model(cfg.model.path), held, tok.pad_token_id)
-    texts = corpus_pretrain_texts(backend.passages, train)
-    summary = run_sft(cfg, cfg.model.path, tmp_path / "sft", demos=demos, pretrain_texts=texts, pretrain_steps=10)
-    assert summary["steps"] == 2 * 192 // 16 and summary["demos"] == 192 and summary["pretrain_steps"] == 10
+    summary = run_sft(cfg, cfg.model.path, tmp_path / "sft", demos=demos, pretrain_steps=10)
+    assert summary["steps"] == 3 * 192 // 16 and summary["demos"] == 192 and summary["pretrain_steps"] == 10
     lines = [json.loads(x) for x in (tmp_path / "sft" / METRICS_FILE).read_text().splitlines()]
     assert [(m["stage"], m["step"]) for m in lines] == [("pretrain", i) for i in range(1, 11)] + [
         ("sft", i) for i in range(1, summary["steps"] + 1)
@@ -102,7 +102,7 @@ def test_sft_lowers_held_out_nll_and_teaches_the_search_format(setup, tmp_path):
 
     tuned = _model(tmp_path / "sft").eval()  # what save_pretrained wrote, tokenizer included
     after = evaluate_nll(tuned, held, tok.pad_token_id)
-    assert after < 0.4 * before, (before, after)
+    assert after < 0.45 * before, (before, after)  # measured: 7.6 -> 2.2
     assert summary["final_loss"] < 0.5 * summary["first_loss"]
 
     from transformers import AutoTokenizer
@@ -116,22 +116,11 @@ def test_sft_lowers_held_out_nll_and_teaches_the_search_format(setup, tmp_path):
     assert text.startswith(("<think>", "<search>")), text
 
 
-def test_corpus_pretraining_texts_are_train_subject_passages_only(setup, world_dir):
-    _, _, train, _, _, backend = setup
-    test_subjects = {ex.extra["subject"] for ex in read_qa_parquet(world_dir / "test.parquet")}
-    texts = corpus_pretrain_texts(backend.passages, train)
-    titles = {t.split("(Title: ", 1)[1].split(")", 1)[0].strip('"') for t in texts}
-    assert titles == {ex.extra["subject"] for ex in train}
-    assert titles.isdisjoint(test_subjects)
-    assert all(t.startswith("Doc 1(Title: ") for t in texts)
-
-
-def test_sft_is_deterministic_for_a_seed(setup, tmp_path):
-    cfg, _, train, demos, _, backend = setup
+def test_sft_is_deterministic_and_keeps_entity_embeddings_frozen(setup, tmp_path):
+    cfg, tok, _, demos, _, backend = setup
     short = cfg.model_copy(deep=True)
     short.sft.epochs = 1
-    texts = corpus_pretrain_texts(backend.passages, train)
-    kw = dict(demos=demos[:32], pretrain_texts=texts, pretrain_steps=2, log_every=0)
+    kw = dict(demos=demos[:32], pretrain_steps=0, freeze_entity_embeddings=True, log_every=0)
     a = run_sft(short, cfg.model.path, tmp_path / "a", **kw)
     b = run_sft(short, cfg.model.path, tmp_path / "b", **kw)
     la = (tmp_path / "a" / METRICS_FILE).read_text().splitlines()
@@ -140,3 +129,12 @@ def test_sft_is_deterministic_for_a_seed(setup, tmp_path):
     assert a["final_loss"] == b["final_loss"]
     wa, wb = _model(tmp_path / "a").state_dict(), _model(tmp_path / "b").state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    # names keep their embeddings (no memorizing which names were train subjects); other tokens learn
+    frozen = entity_token_ids(tok, [p.title for p in backend.passages])
+    assert a["frozen_rows"] == len(frozen) > 100
+    before = _model(cfg.model.path).get_input_embeddings().weight
+    after = _model(tmp_path / "a").get_input_embeddings().weight
+    assert torch.equal(after[frozen], before[frozen])
+    tag = tok.convert_tokens_to_ids("<search>")
+    assert tag not in frozen and not torch.equal(after[tag], before[tag])

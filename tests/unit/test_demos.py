@@ -13,7 +13,7 @@ from actors.episode import EpisodeRunner, EpisodeSettings, parse_action
 from async_agent_rl.config import load_config
 from async_agent_rl.data.corpus import read_corpus
 from async_agent_rl.data.search_r1 import read_qa_parquet
-from async_agent_rl.demos import DemoError, DemoExpert, DemoReport, make_demonstrations
+from async_agent_rl.demos import DemoError, DemoExpert, DemoReport, make_demonstrations, shuffled_world_observations
 from async_agent_rl.retriever.backends import BM25Backend
 from async_agent_rl.retriever.render import INFORMATION_CLOSE, render_information, truncate_observation
 from async_agent_rl.rewards import exact_match, is_valid_format
@@ -83,7 +83,8 @@ def test_demos_replay_identically_through_the_rollout_loop(setup):
     hops = set()
     for d in demos[:40]:
         ex = by_id[d.meta.question_id]
-        runner = EpisodeRunner(ReplayEngine(tok, model_turn_ids(d)), BackendSearch(backend, cfg.retriever.topk), tok, settings)
+        search = BackendSearch(backend, cfg.retriever.topk)
+        runner = EpisodeRunner(ReplayEngine(tok, model_turn_ids(d)), search, tok, settings)
         got = asyncio.run(runner.run(ex))
         assert got.prompt_ids == d.prompt_ids
         assert got.response_ids == d.response_ids
@@ -203,3 +204,24 @@ def test_sampling_is_seeded_and_repeats_when_n_exceeds_questions(setup):
     many = make_demonstrations(cfg, tok, train[:5], backend, 12)
     assert len(many) == 12 and len(set(ids(many))) == 5
     assert len({d.meta.trajectory_id for d in many}) == 12
+
+
+def test_shuffled_world_observations_use_every_name_and_teach_no_true_fact(world_dir):
+    import json
+    import re
+
+    from async_agent_rl.data.world import Entity, describe
+
+    table = json.loads((world_dir / "world.json").read_text())
+    texts = shuffled_world_observations(world_dir / "world.json", copies=2, seed=0)
+    assert texts == shuffled_world_observations(world_dir / "world.json", copies=2, seed=0)
+    assert all(t.startswith("\n\n<information>Doc 1(Title: ") and t.endswith("</information>\n\n") for t in texts)
+    doc = re.compile(r'Doc \d+\(Title: "(.*?)"\) (.*?)(?=\nDoc \d+\(|</information>)', re.S)
+    docs = [d for t in texts for d in doc.findall(t)]
+    assert len(docs) == 2 * len(table)
+    assert {name for name, _ in docs} == set(table)  # every entity, test subjects included, appears
+    truth = {n: describe(Entity(r["kind"], n, {k: v for k, v in r.items() if k != "kind"})) for n, r in table.items()}
+    true_docs = sum(body == truth[name] for name, body in docs)
+    assert true_docs <= 0.02 * len(docs)  # a full true description only by chance
+    first, second = docs[: len(table)], docs[len(table) :]
+    assert dict(first) != dict(second)  # every copy is shuffled anew
