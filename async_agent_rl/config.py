@@ -232,6 +232,9 @@ class WeightSyncConfig(_Section):
 class SFTConfig(_Section):
     enabled: bool = Field(False, description="train: supervised warm start on demonstrations before RL")
     num_demos: int = Field(2000, ge=1)
+    pretrain_steps: int = Field(
+        0, ge=0, description="embedded world only: LM steps on shuffled-fact passages first (teaches copying names)"
+    )
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)
