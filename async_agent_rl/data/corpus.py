@@ -39,11 +39,9 @@ def split_contents(contents: str) -> tuple[str, str]:
     return title, text
 
 
-@dataclass(frozen=True)
-class Passage:
-    """One corpus row. ``title`` and ``text`` are derived from ``contents`` (see :func:`split_contents`)."""
+class TitledContents:
+    """``title`` and ``text`` derived from a ``contents`` attribute (see :func:`split_contents`)."""
 
-    id: str
     contents: str
 
     @property
@@ -53,6 +51,14 @@ class Passage:
     @property
     def text(self) -> str:
         return split_contents(self.contents)[1]
+
+
+@dataclass(frozen=True)
+class Passage(TitledContents):
+    """One corpus row."""
+
+    id: str
+    contents: str
 
     def to_json(self) -> dict[str, str]:
         return {"id": self.id, "contents": self.contents}

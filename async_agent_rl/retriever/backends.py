@@ -24,7 +24,7 @@ import bm25s
 import numpy as np
 import Stemmer
 
-from async_agent_rl.data.corpus import Passage, split_contents
+from async_agent_rl.data.corpus import Passage, TitledContents
 
 logger = logging.getLogger(__name__)
 
@@ -33,20 +33,12 @@ INDEX_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
-class Hit:
+class Hit(TitledContents):
     """One retrieved passage with its score; ``title``/``text`` split ``contents`` like :class:`Passage`."""
 
     id: str
     contents: str
     score: float
-
-    @property
-    def title(self) -> str:
-        return split_contents(self.contents)[0]
-
-    @property
-    def text(self) -> str:
-        return split_contents(self.contents)[1]
 
 
 class SearchBackend(Protocol):
