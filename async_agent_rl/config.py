@@ -255,6 +255,9 @@ class MonitoringConfig(_Section):
     exporter_port: int = Field(0, ge=0, le=65535, description="0 = free port per process")
     prometheus_sd_file: Optional[str] = Field(None, description="file-based service discovery targets (JSON)")
     log_every_s: float = Field(5.0, gt=0)
+    final_scrape_timeout_s: float = Field(
+        15.0, ge=0, description="at the end of a run, wait this long for Prometheus to scrape the last values "
+        "(only if it has scraped the run before; 0 = don't wait)")
 
 
 class ClusterConfig(_Section):

@@ -187,7 +187,7 @@ class Trainer:
         mon = RunMonitoring.from_config(self.cfg.monitoring, self.run_dir)
         if mon is None:
             return None
-        stack.callback(mon.close)
+        stack.callback(mon.close, self.cfg.monitoring.final_scrape_timeout_s)
         mon.set_targets("retriever", [urlsplit(self.url).netloc])
         self.log.say(f"[start] metrics on {mon.exporter.url}; prometheus --config.file={mon.config_file}")
         return mon

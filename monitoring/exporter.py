@@ -32,6 +32,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -55,6 +56,22 @@ class Exporter:
     port: int
     _server: object = field(repr=False)
     _thread: threading.Thread = field(repr=False)
+    _scrapes: "_ScrapeCounter" = field(default=None, repr=False)
+
+    @property
+    def scrapes(self) -> int:
+        """How many times the registry has been collected over HTTP (each Prometheus scrape is one)."""
+        return self._scrapes.count if self._scrapes is not None else 0
+
+    def wait_for_scrape(self, after: int, timeout_s: float) -> bool:
+        """Block until the exporter has served more than ``after`` scrapes (so the values set before reading
+        ``after`` are in Prometheus), or ``timeout_s`` passed. Returns whether a scrape came."""
+        deadline = time.monotonic() + timeout_s
+        while self.scrapes <= after:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     @property
     def target(self) -> str:
@@ -80,14 +97,30 @@ class Exporter:
         self.close()
 
 
+class _ScrapeCounter:
+    """A collector with no metrics that counts how often the registry is collected (one per scrape)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def collect(self):
+        self.count += 1
+        return iter(())
+
+    def describe(self):
+        return []  # registering must not call collect() (that would count a scrape that never happened)
+
+
 def start_exporter(registry: CollectorRegistry, port: int = 0, host: str = LOOPBACK) -> Exporter:
     """Serve ``registry`` on ``host:port`` from a daemon thread; ``port=0`` picks a free port. Returns the
     :class:`Exporter` with the bound port. Only loopback addresses are accepted."""
     if host not in (LOOPBACK, "localhost"):
         raise ValueError(f"exporters bind loopback only, not {host!r}")
+    counter = _ScrapeCounter()
+    registry.register(counter)
     server, thread = start_http_server(port, addr=LOOPBACK, registry=registry)
     bound = server.server_address[1]
-    return Exporter(registry, LOOPBACK, int(bound), server, thread)
+    return Exporter(registry, LOOPBACK, int(bound), server, thread, counter)
 
 
 def sd_groups(targets: Mapping[str, Sequence[str]]) -> list[dict]:
@@ -248,10 +281,18 @@ class RunMonitoring:
         t.start()
         self._pollers.append(t)
 
-    def close(self) -> None:
+    def close(self, final_scrape_timeout_s: float = 0.0) -> None:
+        """Stop polling and free the port. With ``final_scrape_timeout_s > 0`` and a Prometheus that has scraped
+        this exporter before, first wait (at most that long) for one more scrape, so the run's last values (the
+        final step, the last evaluation) reach the dashboards instead of dying with the process."""
         self._stop.set()
         for t in self._pollers:
             t.join(timeout=30.0)
+        seen = self.exporter.scrapes
+        if final_scrape_timeout_s > 0 and seen > 0:
+            if not self.exporter.wait_for_scrape(seen, final_scrape_timeout_s):
+                logger.warning("no final scrape of %s within %.0f s; the last values may be missing from Prometheus",
+                               self.exporter.url, final_scrape_timeout_s)
         self.exporter.close()
 
     def __enter__(self) -> "RunMonitoring":

@@ -378,3 +378,43 @@ def test_prometheus_configs_use_file_sd():
     shipped = yaml.safe_load((REPO / "monitoring" / "prometheus.yml").read_text())
     assert shipped["scrape_configs"][0]["file_sd_configs"][0]["files"] == ["targets.json"]
     assert shipped == yaml.safe_load(prometheus_config("targets.json", "5s"))
+
+
+def test_close_waits_for_a_final_scrape_only_when_prometheus_is_scraping(tmp_path):
+    """The run's last values (final step) must reach a Prometheus that scrapes the exporter: close() waits for one
+    more scrape after the last update; with nobody scraping it does not wait at all."""
+    import threading
+    import time
+    import urllib.request
+
+    from monitoring.exporter import RunMonitoring
+
+    # nobody scrapes: close returns at once even with a long timeout
+    mon = RunMonitoring.start(tmp_path / "a")
+    t0 = time.monotonic()
+    mon.close(final_scrape_timeout_s=30.0)
+    assert time.monotonic() - t0 < 5.0
+
+    # a scraper every 0.5 s: the value set right before close() is what the last scrape returned
+    mon = RunMonitoring.start(tmp_path / "b")
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def scraper() -> None:
+        while not stop.is_set():
+            try:
+                seen.append(urllib.request.urlopen(mon.exporter.url, timeout=5).read().decode())
+            except OSError:
+                return  # the exporter is gone
+            stop.wait(0.5)
+
+    th = threading.Thread(target=scraper, daemon=True)
+    th.start()
+    while not seen:
+        time.sleep(0.05)
+    mon.learner.update({"step": 7})
+    mon.close(final_scrape_timeout_s=10.0)
+    stop.set()
+    th.join(timeout=10)
+    last_step = [ln for ln in seen[-1].splitlines() if ln.startswith(M.LEARNER_STEP + " ")]
+    assert last_step and float(last_step[0].split()[1]) == 7.0, seen[-1][:2000]
