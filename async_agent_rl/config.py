@@ -157,6 +157,10 @@ class BufferConfig(_Section):
         "wait", description="groups with missing members: wait for them, release what arrived, or drop (counted)"
     )
     partial_group_timeout_s: float = Field(300.0, gt=0)
+    group_filter: Literal["none", "zero_variance"] = Field(
+        "none", description="zero_variance: drop groups whose rewards are all equal (no GRPO signal); counted, "
+        "and the batch is filled from the groups that follow")
+    zero_variance_tol: float = Field(1e-6, ge=0, description="rewards closer than this count as equal")
     snapshot_dir: Optional[str] = None
     snapshot_every_steps: int = Field(0, ge=0)
 
@@ -301,6 +305,11 @@ class Config(_Section):
             raise ValueError(
                 f"learner.batch_size ({self.learner.batch_size}) must be a multiple of rollout.group_size "
                 f"({self.rollout.group_size}): the buffer hands out whole GRPO groups"
+            )
+        if self.buffer.group_filter != "none" and self.rollout.group_size < 2:
+            raise ValueError(
+                f"buffer.group_filter={self.buffer.group_filter!r} needs rollout.group_size >= 2 (got "
+                f"{self.rollout.group_size}): a group of one always has equal rewards"
             )
         return self
 

@@ -238,12 +238,14 @@ class Trainer:
         record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
         self.history.append(record)
         self.log.write("metrics.jsonl", record)
+        evicted = sum(n for r, n in buffer.get("evicted", {}).items() if not r.startswith("filtered"))
+        filtered = sum(n for r, n in buffer.get("evicted", {}).items() if r.startswith("filtered"))
         self.log.say(
             f"step {self.step:4d} v{self.version}  reward {record['batch_reward']:.3f}  "
             f"rollout EM {record['rollout_exact_match']:.3f}  loss {metrics.get('policy_loss', float('nan')):+.4f}  "
             f"{record['episodes_per_s']:.2f} ep/s  {record['gen_tokens_per_s']:.0f} tok/s  "
             f"stale {metrics.get('staleness_mean', 0):.2f}/{metrics.get('staleness_max', 0):.0f}  "
-            f"buffer {buffer.get('size', 0)}  evicted {sum(buffer.get('evicted', {}).values())}  wait {wait_s:.1f}s"
+            f"buffer {buffer.get('size', 0)}  evicted {evicted}  filtered {filtered}  wait {wait_s:.1f}s"
         )
         if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
             self.checkpoint()  # after the step's metrics line: a resume keeps exactly the lines up to here
@@ -326,6 +328,7 @@ class Trainer:
             "sample_wait_s": wait_s,
             "buffer_size": buffer.get("size", 0),
             "buffer_evicted": buffer.get("evicted", {}),
+            "buffer_filtered_groups": buffer.get("filtered_groups", {}),
             "learner": metrics,
             "publish": publish,
         }

@@ -8,6 +8,13 @@ incomplete ``partial_group_timeout_s`` after its first member arrived follows ``
 ``wait`` keeps waiting (counted once in ``groups_overdue``, with a log line), ``release`` makes it ready as it is
 (``groups_released_partial``), ``drop`` evicts its members (reason ``partial_group_timeout``).
 
+Group filtering (``group_filter="zero_variance"``; rLLM's rejection sampling, DAPO's dynamic sampling). A group whose
+members' rewards are all equal (within ``zero_variance_tol``) has zero GRPO advantage everywhere: it costs a learner
+step's compute and teaches nothing. Such a group is evicted the moment it completes (reason
+``filtered_zero_variance``; ``stats()["filtered_groups"]`` splits the dropped groups into ``all_correct`` /
+``all_wrong`` by the members' exact-match score, ``all_equal`` for the rest), so it never takes a batch slot: the
+batch is filled from the groups that follow, and the freed admission slots let the actors generate replacements.
+
 Sampling. ``sample(batch_size, v)`` returns exactly ``batch_size`` trajectories in whole groups (members adjacent), oldest
 first (``fifo``) or highest ``meta.extra["priority"]`` first (``priority``, a group's priority is its members'
 maximum, ties oldest first), or None while fewer groups are ready. Before choosing, every ready group with
@@ -47,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 EVICT_STALE = "stale"
 EVICT_PARTIAL_TIMEOUT = "partial_group_timeout"
-EVICTION_REASONS = (EVICT_STALE, EVICT_PARTIAL_TIMEOUT)
+EVICT_ZERO_VARIANCE = "filtered_zero_variance"
+EVICTION_REASONS = (EVICT_STALE, EVICT_PARTIAL_TIMEOUT, EVICT_ZERO_VARIANCE)
 
 
 class CapacityError(ValueError):
@@ -74,6 +82,8 @@ class _Item:
     tokens: int
     priority: float
     pushed_at: float
+    reward: float = 0.0
+    correct: Optional[float] = None  # reward_components["exact_match"] when scored
 
 
 @dataclass
@@ -121,6 +131,8 @@ def _peek(blob: bytes) -> tuple[str, _Item]:
             tokens=len(d["prompt_ids"]) // 4 + n,
             priority=float((meta.get("extra") or {}).get("priority", 0.0)),
             pushed_at=0.0,
+            reward=float(d.get("reward", 0.0)),
+            correct=(d.get("reward_components") or {}).get("exact_match"),
         )
         return str(meta["group_id"]), item
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -165,7 +177,10 @@ class ReplayBuffer:
         self.learner_version = 0
         self.counters: Counter[str] = Counter()
         self.evicted: Counter[str] = Counter({r: 0 for r in EVICTION_REASONS})
+        self.filtered_groups: Counter[str] = Counter({k: 0 for k in ("all_correct", "all_wrong", "all_equal")})
         self.staleness_histogram: Counter[int] = Counter()
+        if config.group_filter != "none" and group_size < 2:
+            raise ValueError(f"group_filter={config.group_filter!r} needs group_size >= 2 (got {group_size})")
 
     def __len__(self) -> int:
         return self._size
@@ -247,7 +262,20 @@ class ReplayBuffer:
         if group.items:
             if expected < self.group_size:
                 self.counters["groups_released_short"] += 1
-            self._release(group)
+            if not self._filtered(group):
+                self._release(group)
+
+    def _filtered(self, group: _Group) -> bool:
+        """Apply ``group_filter`` to a completed group: evict it (True) or let it be released (False)."""
+        rewards = [it.reward for it in group.items]
+        lo, hi = min(rewards), max(rewards)
+        if self.config.group_filter == "none" or hi - lo > self.config.zero_variance_tol:
+            return False
+        em = {it.correct for it in group.items}
+        kind = "all_correct" if em == {1.0} else "all_wrong" if em == {0.0} else "all_equal"
+        self.filtered_groups[kind] += 1
+        self._evict(group, EVICT_ZERO_VARIANCE, f"every reward is {hi:g} ({kind})", quiet=True)
+        return True
 
     def _release(self, group: _Group) -> None:
         seq = self._seq
@@ -329,7 +357,8 @@ class ReplayBuffer:
             elif cfg.partial_groups == "release":
                 del self._pending[group.gid]
                 self.counters["groups_released_partial"] += 1
-                self._release(group)
+                if not self._filtered(group):
+                    self._release(group)
             elif cfg.partial_groups == "drop":
                 del self._pending[group.gid]
                 self._evict(group, EVICT_PARTIAL_TIMEOUT, f"{len(group.items)}/{self.group_size} members arrived")
@@ -341,11 +370,12 @@ class ReplayBuffer:
                     group.gid, len(group.items), self.group_size, now - group.first_at,
                 )
 
-    def _evict(self, group: _Group, reason: str, why: str) -> None:
+    def _evict(self, group: _Group, reason: str, why: str, quiet: bool = False) -> None:
         n = len(group.items)
         self.evicted[reason] += n
         self._forget(group)
-        logger.warning("replay buffer: evicted %d trajectories of group %r (%s): %s", n, group.gid, reason, why)
+        (logger.debug if quiet else logger.warning)(
+            "replay buffer: evicted %d trajectories of group %r (%s): %s", n, group.gid, reason, why)
         if self._on_evict is not None:
             self._on_evict(n)
 
@@ -378,6 +408,7 @@ class ReplayBuffer:
             "groups_overdue": self.counters["groups_overdue"],
             "evicted": dict(self.evicted),
             "evicted_total": sum(self.evicted.values()),
+            "filtered_groups": dict(self.filtered_groups),
             "staleness_histogram": dict(sorted(self.staleness_histogram.items())),
             "capacity_trajectories": self.config.capacity_trajectories,
             "capacity_tokens": self.config.capacity_tokens,
@@ -404,6 +435,7 @@ class ReplayBuffer:
                 "learner_version": self.learner_version,
                 "counters": dict(self.counters),
                 "evicted": dict(self.evicted),
+                "filtered_groups": dict(self.filtered_groups),
                 "staleness_histogram": [[k, v] for k, v in self.staleness_histogram.items()],
                 "ready": [group_state(self._ready[s]) for s in sorted(self._ready)],
                 "pending": [group_state(g) for g in self._pending.values()],
@@ -437,6 +469,7 @@ class ReplayBuffer:
             buf.learner_version = int(state["learner_version"])
             buf.counters.update(state["counters"])
             buf.evicted.update(state["evicted"])
+            buf.filtered_groups.update(state.get("filtered_groups", {}))
             buf.staleness_histogram.update({int(k): int(v) for k, v in state["staleness_histogram"]})
             for gs in state["ready"]:
                 buf._release(buf._restored_group(gs, now))

@@ -164,7 +164,7 @@ BUFFER_GROUPS_OVERDUE = _define(
     "buffer", "aar_buffer_groups_overdue_total", COUNTER, "groups past the partial-group timeout (wait mode)")
 BUFFER_EVICTED = _define(
     "buffer", "aar_buffer_evicted_total", COUNTER,
-    "trajectories evicted unconsumed by reason (stale, partial_group_timeout)", ("reason",))
+    "trajectories evicted unconsumed by reason (stale, partial_group_timeout, filtered_zero_variance)", ("reason",))
 BUFFER_CONSUMED_STALENESS = _define(
     "buffer", "aar_buffer_consumed_staleness", HISTOGRAM,
     "staleness (learner version - oldest token version) of each trajectory when sampled", (), STALENESS_BUCKETS)

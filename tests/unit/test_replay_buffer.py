@@ -13,6 +13,7 @@ from async_agent_rl.records import RecordError, EpisodeMeta, Trajectory, TurnSpa
 from buffer.replay_buffer import (
     EVICT_PARTIAL_TIMEOUT,
     EVICT_STALE,
+    EVICT_ZERO_VARIANCE,
     CapacityError,
     ReplayBuffer,
     SnapshotError,
@@ -27,7 +28,8 @@ class Clock:
         return self.now
 
 
-def traj(gid: str, member: int = 0, version: int = 0, tokens: int = 4, priority: float | None = None) -> bytes:
+def traj(gid: str, member: int = 0, version: int = 0, tokens: int = 4, priority: float | None = None,
+         reward: float = 0.0, em: float | None = None) -> bytes:
     """A 2-token prompt plus ``tokens - 2`` generated tokens, all of ``version``, as wire bytes."""
     n = tokens - 2
     extra = {} if priority is None else {"priority": priority}
@@ -38,6 +40,8 @@ def traj(gid: str, member: int = 0, version: int = 0, tokens: int = 4, priority:
         behavior_logprobs=[-0.1] * n,
         versions=[version] * n,
         turns=[TurnSpan("model", 0, n)],
+        reward=reward,
+        reward_components={} if em is None else {"exact_match": em},
         meta=EpisodeMeta(group_id=gid, trajectory_id=f"{gid}/{member}", extra=extra),
     ).encode()
 
@@ -86,7 +90,7 @@ def test_stale_groups_evicted_counted_and_logged(caplog):
         got = buf.sample_wire(2, learner_version=2)
     assert ids(got) == ["new/0", "new/1"]
     s = buf.stats()
-    assert s["evicted"] == {EVICT_STALE: 2, EVICT_PARTIAL_TIMEOUT: 0}
+    assert s["evicted"] == {EVICT_STALE: 2, EVICT_PARTIAL_TIMEOUT: 0, EVICT_ZERO_VARIANCE: 0}
     assert s["staleness_histogram"] == {0: 2}
     assert "evicted 2 trajectories of group 'old' (stale)" in caplog.text
     assert "staleness 2 > max_staleness 1" in caplog.text
@@ -282,6 +286,48 @@ def test_missing_snapshot_names_the_file(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- random traffic
+def test_zero_variance_groups_are_dropped_counted_and_the_batch_stays_full():
+    evicted: list[int] = []
+    buf = ReplayBuffer(BufferConfig(group_filter="zero_variance"), 2, clock=Clock(), on_evict=evicted.append)
+    buf.push([traj("right", 0, reward=1.0, em=1.0), traj("right", 1, reward=1.0, em=1.0)])
+    buf.push([traj("wrong", 0, reward=0.0, em=0.0), traj("wrong", 1, reward=0.0, em=0.0)])
+    buf.push([traj("same", 0, reward=0.3), traj("same", 1, reward=0.3 + 1e-9)])  # within zero_variance_tol
+    buf.push([traj("mixed", 0, reward=1.0, em=1.0), traj("mixed", 1, reward=0.0, em=0.0)])
+    # 4 trajectories asked: the 3 equal-reward groups are gone, so one group is not enough yet
+    assert buf.sample_wire(4, 0) is None
+    buf.push([traj("close", 0, reward=0.5), traj("close", 1, reward=0.5 + 1e-3)])  # a real difference: kept
+    assert ids(buf.sample_wire(4, 0)) == ["mixed/0", "mixed/1", "close/0", "close/1"]
+    s = buf.stats()
+    assert s["evicted"][EVICT_ZERO_VARIANCE] == 6 and evicted == [2, 2, 2]  # admission slots freed for refills
+    assert s["filtered_groups"] == {"all_correct": 1, "all_wrong": 1, "all_equal": 1}
+    assert s["pushed"] == s["sampled"] + s["evicted_total"] + s["size"]
+
+
+def test_without_the_filter_equal_reward_groups_are_trained_on():
+    buf = make(group_size=2)
+    buf.push([traj("wrong", 0), traj("wrong", 1), traj("right", 0, reward=1.0), traj("right", 1, reward=1.0)])
+    assert ids(buf.sample_wire(4, 0)) == ["wrong/0", "wrong/1", "right/0", "right/1"]
+    assert buf.stats()["evicted"][EVICT_ZERO_VARIANCE] == 0
+
+
+def test_zero_variance_filter_applies_to_short_and_timed_out_groups():
+    clock = Clock()
+    buf = make(group_size=3, clock=clock, group_filter="zero_variance", partial_groups="release",
+               partial_group_timeout_s=10)
+    buf.push([traj("short", 0, reward=1.0), traj("short", 1, reward=1.0)])
+    buf.reject(["short"])  # released short with equal rewards: filtered
+    buf.push([traj("late", 0, reward=0.0), traj("late", 1, reward=1.0)])
+    clock.now += 11
+    assert buf.sample_wire(3, 0) is None  # "late" was released partial (2 of 3): a 3-batch cannot take it
+    s = buf.stats()
+    assert s["evicted"][EVICT_ZERO_VARIANCE] == 2 and s["groups_released_partial"] == 1 and s["ready_groups"] == 1
+
+
+def test_group_filter_needs_groups():
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        make(group_size=1, group_filter="zero_variance")
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     group_size=st.integers(1, 4),
