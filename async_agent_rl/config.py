@@ -244,6 +244,9 @@ class SFTConfig(_Section):
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
     seed: int = 0
+    output_dir: Optional[str] = Field(
+        None, description="train: where the warm start is saved and reused (default RUN_DIR/sft); runs with the "
+        "same inputs can share one (checked against its warm_start_inputs.json)")
 
 
 class EvalConfig(_Section):

@@ -136,10 +136,10 @@ class Trainer:
         for line in prepare(self.cfg):
             self.log.say(f"[prepare] {line}")
         if self.cfg.sft.enabled:
-            sft_dir = self.run_dir / "sft"
-            if not (sft_dir / "config.json").is_file():
-                from learner.sft import run_sft
+            from learner.sft import check_warm_start, run_sft, warm_start_inputs
 
+            sft_dir = Path(self.cfg.sft.output_dir) if self.cfg.sft.output_dir else self.run_dir / "sft"
+            if not check_warm_start(sft_dir, warm_start_inputs(self.cfg, self.cfg.model.path)):
                 self.log.say(f"[sft] warm start on {self.cfg.sft.num_demos} demonstrations -> {sft_dir}")
                 res = run_sft(self.cfg, self.cfg.model.path, sft_dir)
                 self.log.say(f"[sft] done: {json.dumps({k: v for k, v in res.items() if not isinstance(v, (list, dict))})}")

@@ -47,6 +47,48 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "sft_metrics.jsonl"
 SUMMARY_FILE = "sft_summary.json"
+INPUTS_FILE = "warm_start_inputs.json"
+
+
+def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
+    """The resolved settings a warm start depends on (JSON-able): the starting model, the data and prompt format,
+    the retriever that makes the demonstrations' observations, the episode budgets and the ``sft`` section.
+    ``run_sft`` writes them beside the model; a run reusing the folder must have the same ones."""
+    d = cfg.to_dict()
+    rollout = ("max_turns", "max_tokens_per_turn", "max_response_length", "max_obs_length")
+    return {
+        "model_dir": str(model_dir),
+        "model": {k: v for k, v in d["model"].items() if k in ("init", "max_model_len")},
+        "data": {k: v for k, v in d["data"].items() if k not in ("test_files",)},
+        "retriever": {k: v for k, v in d["retriever"].items() if k in ("backend", "topk", "index_dir", "dense_model")},
+        "rollout": {k: d["rollout"][k] for k in rollout},
+        "reward": d["reward"],
+        "sft": {k: v for k, v in d["sft"].items() if k not in ("enabled", "output_dir")},
+    }
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Dotted paths where two nested dicts differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{path}{k}.")]
+    return [] if a == b else [path.rstrip(".")]
+
+
+def check_warm_start(folder: str | Path, expected: dict[str, Any]) -> bool:
+    """True if ``folder`` holds a finished warm start made from ``expected`` inputs; False if there is none.
+    Raises ``ValueError`` naming the differing settings when it was made from other ones."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file() or not (folder / SUMMARY_FILE).is_file():
+        return False
+    saved_file = folder / INPUTS_FILE
+    if not saved_file.is_file():
+        raise ValueError(f"{folder} holds a model but no {INPUTS_FILE}: not a warm start this version wrote; "
+                         f"delete it or point sft.output_dir elsewhere")
+    diff = _differences(json.loads(saved_file.read_text()), expected)
+    if diff:
+        raise ValueError(f"the warm start in {folder} was made with other settings ({', '.join(diff)}); delete it, "
+                         f"or set sft.output_dir to a new folder")
+    return True
 PRETRAIN_SEQ_LEN = 128
 
 
@@ -335,6 +377,7 @@ def run_sft(
 
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    (out / INPUTS_FILE).write_text(json.dumps(warm_start_inputs(cfg, model_dir), indent=1, sort_keys=True) + "\n")
     summary = {
         "first_loss": losses[0] if losses else float("nan"),
         "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
