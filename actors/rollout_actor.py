@@ -69,6 +69,7 @@ class RolloutActor:
             on_lost=self._lost,
             actor_id=self.actor_id,
             seed=cfg.rollout.seed + self.index,
+            mode=cfg.rollout.mode,
         )
         return {"index": self.index, "examples": len(prompts.examples), "skipped_rows": report.skipped}
 

@@ -8,6 +8,9 @@ the buffer assembles the group). New groups start only when
   so the worker never generates what the staleness bound would throw away, and
 - an episode slot is free (``max_concurrent_episodes``).
 
+``mode="sync"`` is the batch-synchronous baseline instead (``actors.lockstep``): admitted groups run as one wave,
+turn by turn in lockstep, and the next wave starts when the whole wave is done.
+
 Finished trajectories go to an async ``sink`` in batches of ``push_batch_size`` (or sooner when no more arrive for
 ``flush_after_s``): everything that crosses an actor boundary is batched.
 """
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence
 
 from actors.episode import EpisodeRunner
+from actors.lockstep import LockstepEngine, TurnBarrier
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.records import Trajectory
 
@@ -71,6 +75,7 @@ class WorkerStats:
     finished: int = 0
     failed: int = 0
     groups_started: int = 0
+    waves: int = 0  # mode="sync" only
     pushed: int = 0
     generated_tokens: int = 0
     observation_tokens: int = 0
@@ -106,7 +111,10 @@ class RolloutWorker:
         seed: int | None = None,
         flush_after_s: float = 0.2,
         admission_poll_s: float = 0.05,
+        mode: str = "async",
     ):
+        if mode not in ("async", "sync"):
+            raise ValueError(f"mode must be 'async' or 'sync', not {mode!r}")
         self.runner = runner
         self.prompts = iter(prompts)
         self.sink = sink
@@ -118,6 +126,8 @@ class RolloutWorker:
         self.seed = seed
         self.flush_after_s = flush_after_s
         self.admission_poll_s = admission_poll_s
+        self.mode = mode
+        self.max_concurrent = max_concurrent
         self.stats = WorkerStats()
         self._slots = asyncio.Semaphore(max_concurrent)
         self._outbox: asyncio.Queue[Trajectory | None] = asyncio.Queue()
@@ -134,6 +144,9 @@ class RolloutWorker:
         """Run until ``num_groups`` groups were started (None: until ``stop()``), then drain and flush."""
         flusher = asyncio.create_task(self._flush_loop())
         try:
+            if self.mode == "sync":
+                await self._run_waves(num_groups)
+                return self.stats
             group_id = self._new_group_id()
             while not self._stop.is_set() and (num_groups is None or self.stats.groups_started < num_groups):
                 # the buffer grants whole groups (multiples of group_size) or nothing; ask with the ENGINE's
@@ -150,6 +163,33 @@ class RolloutWorker:
             await flusher
         return self.stats
 
+    async def _run_waves(self, num_groups: int | None) -> None:
+        """``mode="sync"``: admit as many groups as the buffer grants (up to ``max_concurrent`` episodes), run them
+        as one wave in lockstep (``actors.lockstep``), and admit the next wave only when the whole wave is done."""
+        wave_groups = max(1, self.max_concurrent // self.group_size)
+
+        def more(n: int) -> bool:
+            return not self._stop.is_set() and (num_groups is None or self.stats.groups_started + n < num_groups)
+
+        while more(0):
+            wave: list[tuple[QAExample, str]] = []
+            group_id = self._new_group_id()
+            while len(wave) < wave_groups and more(len(wave)):
+                if await self.admit(self.group_size, self.runner.engine.version, group_id) < self.group_size:
+                    break
+                wave.append((next(self.prompts), group_id))
+                group_id = self._new_group_id()
+            if not wave:
+                await self._wait(self.admission_poll_s)
+                continue
+            barrier = TurnBarrier(len(wave) * self.group_size)
+            r = self.runner
+            lockstep = EpisodeRunner(LockstepEngine(r.engine, barrier), r.search, r.tokenizer, r.s)
+            for ex, gid in wave:
+                await self._start_group(ex, gid, lockstep, barrier)
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            self.stats.waves += 1
+
     async def _wait(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self._stop.wait(), seconds)
@@ -160,20 +200,22 @@ class RolloutWorker:
     def _new_group_id(self) -> str:
         return f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
 
-    async def _start_group(self, ex: QAExample, group_id: str) -> None:
+    async def _start_group(self, ex: QAExample, group_id: str, runner: EpisodeRunner | None = None,
+                           barrier: TurnBarrier | None = None) -> None:
         self.stats.groups_started += 1
         for _ in range(self.group_size):
             await self._slots.acquire()
             self._episode_counter += 1
             seed = None if self.seed is None else self.seed * 1_000_003 + self._episode_counter
-            task = asyncio.create_task(self._episode(ex, group_id, seed))
+            task = asyncio.create_task(self._episode(ex, group_id, seed, runner or self.runner, barrier))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _episode(self, ex: QAExample, group_id: str, seed: int | None) -> None:
+    async def _episode(self, ex: QAExample, group_id: str, seed: int | None, runner: EpisodeRunner,
+                       barrier: TurnBarrier | None) -> None:
         self.stats.started += 1
         try:
-            traj = await self.runner.run(ex, group_id=group_id, seed=seed)
+            traj = await runner.run(ex, group_id=group_id, seed=seed)
         except Exception:  # an engine failure loses this episode, not the worker; counted, logged, reported
             self.stats.failed += 1
             log.exception("episode of group %s failed (question %s)", group_id, ex.id)
@@ -181,6 +223,8 @@ class RolloutWorker:
             return
         finally:
             self._slots.release()
+            if barrier is not None:
+                await barrier.leave()  # the rest of the wave stops waiting for this episode
         traj.meta.actor_id = self.actor_id
         s = self.stats
         s.finished += 1

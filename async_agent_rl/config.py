@@ -128,6 +128,9 @@ class RetrieverConfig(_Section):
 # --------------------------------------------------------------------------------------------------------- rollout
 class RolloutConfig(_Section):
     engine: Literal["vllm", "hf"] = Field("vllm", description="hf = transformers generate, a correctness reference")
+    mode: Literal["async", "sync"] = Field(
+        "async", description="sync = batch-synchronous baseline: admitted episodes run as one wave, turn by turn in "
+        "lockstep, next wave when all are done (with buffer.max_staleness=0: synchronous RL)")
     num_actors: int = Field(1, ge=1)
     max_concurrent_episodes: int = Field(32, ge=1, description="episodes in flight per actor")
     group_size: int = Field(5, ge=1, description="GRPO n: independent episodes per prompt sharing a group id")

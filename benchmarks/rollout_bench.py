@@ -30,50 +30,6 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-class TurnBarrier:
-    """A reusable barrier whose party shrinks as episodes finish."""
-
-    def __init__(self, parties: int):
-        self.parties = parties
-        self.waiting = 0
-        self.generation = 0
-        self.cond = asyncio.Condition()
-
-    async def wait(self) -> None:
-        async with self.cond:
-            gen = self.generation
-            self.waiting += 1
-            if self.waiting >= self.parties:
-                self._release()
-            else:
-                await self.cond.wait_for(lambda: self.generation != gen)
-
-    async def leave(self) -> None:
-        async with self.cond:
-            self.parties -= 1
-            if self.parties and self.waiting >= self.parties:
-                self._release()
-
-    def _release(self) -> None:
-        self.waiting = 0
-        self.generation += 1
-        self.cond.notify_all()
-
-
-class SynchronousEngine:
-    """Wraps an engine so that a batch of episodes generates turn by turn in lockstep (Search-R1's loop)."""
-
-    def __init__(self, engine, barrier: TurnBarrier):
-        self.engine, self.barrier = engine, barrier
-        self.version = engine.version
-
-    async def generate(self, req):
-        await self.barrier.wait()  # every active episode has finished its previous search
-        out = await self.engine.generate(req)
-        await self.barrier.wait()  # the whole batch waits for the longest generation
-        return out
-
-
 async def run_async(runner, examples, concurrency, group_size):
     from actors.rollout_worker import RolloutWorker
 
@@ -90,13 +46,14 @@ async def run_async(runner, examples, concurrency, group_size):
 
 async def run_sync(runner, examples, concurrency):
     from actors.episode import EpisodeRunner
+    from actors.lockstep import LockstepEngine, TurnBarrier
 
     out = []
     t = time.perf_counter()
     for i in range(0, len(examples), concurrency):
         batch = examples[i : i + concurrency]
         barrier = TurnBarrier(len(batch))
-        sync_runner = EpisodeRunner(SynchronousEngine(runner.engine, barrier), runner.search, runner.tokenizer, runner.s)
+        sync_runner = EpisodeRunner(LockstepEngine(runner.engine, barrier), runner.search, runner.tokenizer, runner.s)
 
         async def one(ex, k):
             try:
