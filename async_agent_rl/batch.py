@@ -70,6 +70,21 @@ class TrainBatch:
         fields.update({name: getattr(self, name)[idx] for name in _PER_ROW})
         return TrainBatch(**fields, metas=[self.metas[i] for i in idx.tolist()])
 
+    def summary(self) -> dict[str, float]:
+        """What the batch's episodes looked like (means over rows): ``response_length`` (model + observation
+        tokens), ``generated_tokens``, ``searches``, ``search_errors``, ``turns``, ``answered`` (fraction that
+        ended with an answer) and ``reward``. Logged per step; the ablation report plots them."""
+        n = max(1, self.batch_size)
+        return {
+            "response_length": float((self.seq_lengths - self.prompt_lengths).float().mean()),
+            "generated_tokens": float(self.loss_mask.sum()) / n,
+            "searches": sum(m.num_searches for m in self.metas) / n,
+            "search_errors": sum(m.num_search_errors for m in self.metas) / n,
+            "turns": sum(m.num_turns for m in self.metas) / n,
+            "answered": sum(m.finish_reason == "answer" for m in self.metas) / n,
+            "reward": float(self.rewards.float().mean()),
+        }
+
     def to(self, device: str | torch.device) -> "TrainBatch":
         moved = {name: getattr(self, name).to(device) for name in _PER_TOKEN + _PER_ROW}
         return dataclasses.replace(self, **moved)

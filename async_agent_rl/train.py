@@ -221,6 +221,7 @@ class Trainer:
             if batch is None:
                 time.sleep(0.05)
         wait_s = time.monotonic() - wait0
+        batch_summary = batch.summary()
         metrics = self.learner.train_step(batch)
         self.step += 1
         publish = {}
@@ -236,6 +237,7 @@ class Trainer:
         if self.mon is not None:
             self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish)
         record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
+        record["batch"] = batch_summary
         self.history.append(record)
         self.log.write("metrics.jsonl", record)
         evicted = sum(n for r, n in buffer.get("evicted", {}).items() if not r.startswith("filtered"))

@@ -61,6 +61,16 @@ def test_pack_two_rows_by_hand():
     assert (b.prompt_lengths.dtype, b.rewards.dtype, b.group_index.dtype) == (torch.long, torch.float32, torch.long)
 
 
+def test_summary_by_hand():
+    two = two_turn()
+    two.meta.num_searches, two.meta.num_turns = 1, 2
+    one = one_turn()
+    one.meta.num_turns, one.meta.finish_reason, one.meta.num_search_errors = 1, "max_turns", 2
+    s = pack_batch([two, one], pad_id=PAD).summary()
+    assert s == {"response_length": 2.5, "generated_tokens": 2.0, "searches": 0.5, "search_errors": 1.0,
+                 "turns": 1.5, "answered": 0.5, "reward": 0.5}
+
+
 def test_group_index_is_consecutive_per_group_id_and_empty_ids_stand_alone():
     trajs = [two_turn("q7"), one_turn("q3"), two_turn("q7"), one_turn(""), one_turn(""), one_turn("q3")]
     assert pack_batch(trajs, PAD).group_index.tolist() == [0, 1, 0, 2, 3, 1]
