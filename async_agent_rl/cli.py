@@ -13,6 +13,7 @@ Subcommands (``async-agent-rl COMMAND --help`` for each)::
     sft              supervised warm start on generated demonstration episodes
     train            the whole asynchronous system on Ray (the main job)
     eval             greedy exact match / F1 / searches / turns of a checkpoint on held-out questions
+    bench            short trainings side by side: staleness sweep, ablations, async vs sync
 """
 
 from __future__ import annotations
@@ -255,11 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(ev)
     ev.set_defaults(func=cmd_eval)
 
+    from async_agent_rl.bench import register as register_bench
     from async_agent_rl.retriever.cli import register as register_retriever
     from async_agent_rl.sft_cli import register as register_sft
 
     register_retriever(sub)
     register_sft(sub)
+    register_bench(sub)
     return parser
 
 

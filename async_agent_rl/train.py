@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 
 BUFFER_SNAPSHOT = "replay_buffer.snapshot"
+SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout actors this often
 DRIVER_STATE = "driver_state.json"
 
 
@@ -214,11 +215,15 @@ class Trainer:
         import ray
 
         cfg = self.cfg
-        wait0 = time.monotonic()
+        wait0 = last_check = time.monotonic()
         batch = None
         while batch is None:
             batch = ray.get(self.buffer.sample_batch.remote(cfg.learner.batch_size, self.version, self.pad_id))
             if batch is None:
+                # an actor that died while the buffer is short would otherwise never be restarted: no batch comes
+                if time.monotonic() - last_check > SUPERVISE_WHILE_WAITING_S:
+                    self.supervise()
+                    last_check = time.monotonic()
                 time.sleep(0.05)
         wait_s = time.monotonic() - wait0
         batch_summary = batch.summary()

@@ -110,6 +110,7 @@ def small_run_overrides(out_dir: Path, world_dir: Path, model_dir: Path) -> list
         "sft.epochs=2",
         "sft.warmup_steps=1",
         "sft.lr=1e-2",
+        "sft.pretrain_steps=0",
     ]
 
 
