@@ -7,17 +7,13 @@ import asyncio
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from actors.engine import TurnOutput, TurnRequest
 from actors.episode import INVALID_ACTION_OBSERVATION, EpisodeRunner, EpisodeSettings, parse_action
 from actors.search_client import SearchClient
 from async_agent_rl.config import SearchClientConfig
-from async_agent_rl.data.corpus import read_corpus
 from async_agent_rl.data.search_r1 import QAExample
-from async_agent_rl.retriever.backends import BM25Backend
 from async_agent_rl.retriever.render import INFORMATION_CLOSE
-from async_agent_rl.retriever.server import start_server_in_thread
 
 
 class ScriptedEngine:
@@ -32,19 +28,6 @@ class ScriptedEngine:
         ids = self.tok.encode(text, add_special_tokens=False)[: req.max_tokens]
         text = self.tok.decode(ids, skip_special_tokens=True)
         return TurnOutput(ids, [-0.5] * len(ids), [self.version] * len(ids), text, "stop")
-
-
-@pytest.fixture(scope="module")
-def server(world_dir):
-    backend = BM25Backend.build(read_corpus(world_dir / "corpus.jsonl"))
-    srv = start_server_in_thread(backend)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

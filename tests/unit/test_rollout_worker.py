@@ -9,17 +9,13 @@ import random
 import time
 
 import pytest
-from transformers import AutoTokenizer
 
 from actors.engine import TurnOutput, TurnRequest
 from actors.episode import EpisodeRunner, EpisodeSettings
 from actors.rollout_worker import RolloutWorker
 from actors.search_client import SearchClient
 from async_agent_rl.config import SearchClientConfig
-from async_agent_rl.data.corpus import read_corpus
 from async_agent_rl.data.search_r1 import QAExample
-from async_agent_rl.retriever.backends import BM25Backend
-from async_agent_rl.retriever.server import start_server_in_thread
 
 
 class TimedEngine:
@@ -41,19 +37,6 @@ class TimedEngine:
         text = "<search> Alpha </search>" if turn < ep % 3 else "<answer> x </answer>"
         ids = self.tok.encode(text, add_special_tokens=False)
         return TurnOutput(ids, [-0.5] * len(ids), [0] * len(ids), text, "stop")
-
-
-@pytest.fixture(scope="module")
-def server(world_dir):
-    backend = BM25Backend.build(read_corpus(world_dir / "corpus.jsonl"))
-    srv = start_server_in_thread(backend)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def run_worker(server, tok, mode: str, groups: int, group_size: int, concurrent: int):

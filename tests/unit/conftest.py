@@ -1,0 +1,24 @@
+"""Fixtures of the unit tests that drive the episode loop: a REAL BM25 retrieval server on loopback (in a thread)
+over the session's world, and the tiny model's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def server(world_dir):
+    from async_agent_rl.data.corpus import read_corpus
+    from async_agent_rl.retriever.backends import BM25Backend
+    from async_agent_rl.retriever.server import start_server_in_thread
+
+    srv = start_server_in_thread(BM25Backend.build(read_corpus(world_dir / "corpus.jsonl")))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
