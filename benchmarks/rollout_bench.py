@@ -120,7 +120,8 @@ async def main(args) -> dict:
         f"run.output_dir={work}", f"model.path={work}/model", f"data.world_dir={work}/world",
         f"data.train_files=[{work}/world/train.parquet]", f"data.test_files=[{work}/world/test.parquet]",
         f"data.corpus_file={work}/world/corpus.jsonl", "sft.num_demos=64", "sft.epochs=2", "sft.warmup_steps=1",
-        "sft.lr=1e-2", f"rollout.max_concurrent_episodes={args.concurrency}",
+        "sft.lr=1e-2", f"rollout.max_concurrent_episodes={args.concurrency}", f"rollout.max_turns={args.max_turns}",
+        f"rollout.max_response_length={96 * args.max_turns}", f"model.max_model_len={max(1024, 96 * args.max_turns + 256)}",
     ])  # fmt: skip
     for line in prepare(cfg):
         print(line)
@@ -138,6 +139,11 @@ async def main(args) -> dict:
                 sync_trajs, sync_s = await run_sync(runner, examples, args.concurrency)
                 async_trajs, async_s = await run_async(runner, examples, args.concurrency, 1)
                 raw_tokens, raw_s = await run_raw(engine, async_trajs, args.concurrency)
+                scaling = {}
+                for c in args.scaling:  # the raw engine's tokens/s against how many sequences share a step
+                    n = max(c * 4, 32)  # the same first turns for every concurrency
+                    tokens, secs = await run_raw(engine, async_trajs[: n // 2], c)
+                    scaling[c] = round(tokens / secs, 1)
         finally:
             await engine.close()
     a, s = summarize("asynchronous", async_trajs, async_s), summarize("batch-synchronous", sync_trajs, sync_s)
@@ -149,6 +155,7 @@ async def main(args) -> dict:
         "async_over_sync_tokens_per_s": round(a["generated_tokens_per_s"] / s["generated_tokens_per_s"], 2),
         "raw_engine_tokens_per_s": round(raw_tokens / raw_s, 1),
         "overhead_ratio": round(a["generated_tokens_per_s"] / (raw_tokens / raw_s), 2),
+        "raw_engine_tokens_per_s_by_concurrency": scaling,
     }
     print(json.dumps(result, indent=2))
     return result
@@ -159,4 +166,7 @@ if __name__ == "__main__":
     p.add_argument("--episodes", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--work", help="folder for the world, model and SFT (default: a temp dir)")
+    p.add_argument("--max-turns", type=int, default=4, help="rollout.max_turns (observations budgeted at 96 tokens)")
+    p.add_argument("--scaling", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 8, 32],
+                   help="also measure the raw engine at these concurrencies (comma-separated; empty: skip)")
     asyncio.run(main(p.parse_args()))
