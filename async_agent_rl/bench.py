@@ -6,8 +6,9 @@
 
 Every arm is a real ``async-agent-rl train`` in a child process (its own local Ray), run one after the other so
 they do not share the machine, with the arm's overrides on top of the config and the command line's. Arms start
-from one shared SFT warm start (``OUT/warm_start/base``, made once by ``async-agent-rl sft``), except arms whose
-prompt format differs (``data.*`` overrides: the chat-template study), which get their own. Every number in the
+from one shared SFT warm start, made once by ``async-agent-rl sft``, except arms whose prompt format differs (the
+chat-template study), which get their own. Warm starts live in ``OUT/../warm_start/<hash of their inputs>``, so
+the staleness, ablation and sync benches of one config share one. Every number in the
 report is read back from the run folders' own files (``metrics.jsonl``, ``eval.jsonl``, ``summary.json``,
 ``config.yaml``); an arm whose run folder already holds a finished run with the same resolved config is not run
 again (``--force`` reruns), so a report can be extended study by study.
@@ -61,7 +62,7 @@ STUDIES: dict[str, list[Arm]] = {
     "template": _arms("template", "data.apply_chat_template", ["true", "false"],
                       ["chat template (instruct)", "plain prompt (base)"], own_warm_start=True),
     "max_turns": _arms("max_turns", "rollout.max_turns", [4, 2]),
-    "group_filter": _arms("group_filter", "buffer.group_filter", ["none", "zero_variance"]),
+    "group_filter": _arms("group_filter", "buffer.group_filter", ["zero_variance", "none"]),
 }
 DEFAULT_STUDIES = ("masking", "estimator", "topk", "group_size")
 
@@ -110,16 +111,20 @@ def _tail(path: Path, n: int = 15) -> str:
     return "\n".join(lines[-n:])
 
 
-def warm_start(config: str, overrides: list[str], folder: Path, say) -> Path:
-    """The SFT warm start for ``config`` + ``overrides`` in ``folder``: made by ``async-agent-rl sft`` unless a
-    finished one with the same inputs is there."""
+def warm_start(config: str, overrides: list[str], root: Path, say) -> Path:
+    """The SFT warm start for ``config`` + ``overrides``, in ``root/<hash of its inputs>``: made by
+    ``async-agent-rl sft`` unless a finished one is there."""
+    import hashlib
+
     from async_agent_rl.prepare import prepare
     from learner.sft import check_warm_start, warm_start_inputs
 
     cfg = load_config(config, overrides)
     for line in prepare(cfg):
         say(f"[prepare] {line}")
-    if check_warm_start(folder, warm_start_inputs(cfg, cfg.model.path)):
+    inputs = warm_start_inputs(cfg, cfg.model.path)
+    folder = root / hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
+    if check_warm_start(folder, inputs):
         say(f"[warm start] present: {folder}")
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -133,7 +138,8 @@ def warm_start(config: str, overrides: list[str], folder: Path, say) -> Path:
 
 
 def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, steps: int | None,
-             eval_every: int | None, force: bool = False, say=print) -> list[ArmRun]:
+             eval_every: int | None, force: bool = False, say=print,
+             warm_starts: Path | None = None) -> list[ArmRun]:
     """Run every arm (see the module docstring) and read its results back; failures are recorded, not raised."""
     out.mkdir(parents=True, exist_ok=True)
     base = load_config(config, overrides)
@@ -143,15 +149,16 @@ def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, 
     total = steps if steps is not None else base.learner.total_steps
     every = eval_every if eval_every is not None else max(1, total // 4)
     common.append(f"eval.every_steps={every}")
+    warm_starts = warm_starts or out.parent / "warm_start"
     shared: Path | None = None
     runs: list[ArmRun] = []
     for arm in arms:
         arm_overrides = [*overrides, *arm.overrides]
         if base.sft.enabled:
             if arm.own_warm_start:
-                ws = warm_start(config, arm_overrides, out / "warm_start" / arm.name, say)
+                ws = warm_start(config, arm_overrides, warm_starts, say)
             else:
-                shared = shared or warm_start(config, overrides, out / "warm_start" / "base", say)
+                shared = shared or warm_start(config, overrides, warm_starts, say)
                 ws = shared
             arm_overrides += [f"model.path={ws}", "sft.enabled=false"]
         arm_overrides += [*common, f"run.name={arm.name}"]
@@ -431,7 +438,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         arms = sync_arms(args.eta)
     base = load_config(args.config, args.overrides)  # a bad config fails here, before any run
     command = " ".join(["async-agent-rl", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else str(args)
-    runs = run_arms(args.config, list(args.overrides), arms, out, args.steps, args.eval_every, args.force)
+    runs = run_arms(args.config, list(args.overrides), arms, out, args.steps, args.eval_every, args.force,
+                    warm_starts=Path(args.warm_starts) if args.warm_starts else None)
     extra = ""
     if kind == "sync":
         extra, numbers = sync_summary(runs)
@@ -469,5 +477,6 @@ def register(subparsers: Any) -> None:
                    help=f"ablations: comma-separated, from {', '.join(STUDIES)}")
     p.add_argument("--eta", type=int, default=2, help="sync: the asynchronous arm's max_staleness")
     p.add_argument("--force", action="store_true", help="rerun arms whose finished run folder is present")
+    p.add_argument("--warm-starts", help="folder of the shared SFT warm starts (default OUT/../warm_start)")
     p.add_argument("overrides", nargs="*", help="dotted overrides for every arm, e.g. learner.lr=3e-4")
     p.set_defaults(func=cmd_bench)
