@@ -120,12 +120,12 @@ async def main(args) -> dict:
         f"run.output_dir={work}", f"model.path={work}/model", f"data.world_dir={work}/world",
         f"data.train_files=[{work}/world/train.parquet]", f"data.test_files=[{work}/world/test.parquet]",
         f"data.corpus_file={work}/world/corpus.jsonl", "sft.num_demos=64", "sft.epochs=2", "sft.warmup_steps=1",
-        "sft.lr=1e-2", f"rollout.max_concurrent_episodes={args.concurrency}", f"rollout.max_turns={args.max_turns}",
+        "sft.lr=1e-2", f"rollout.max_concurrent_episodes={args.concurrency}", f"rollout.max_turns={args.max_turns}", f"rollout.temperature={args.temperature}",
         f"rollout.max_response_length={96 * args.max_turns}", f"model.max_model_len={max(1024, 96 * args.max_turns + 256)}",
     ])  # fmt: skip
     for line in prepare(cfg):
         print(line)
-    model = work / "sft"
+    model = Path(args.model) if args.model else work / "sft"
     if not (model / "config.json").is_file():
         run_sft(cfg, cfg.model.path, model)
     examples = read_qa_parquet(cfg.data.train_files[0])[: args.episodes]
@@ -166,6 +166,8 @@ if __name__ == "__main__":
     p.add_argument("--episodes", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--work", help="folder for the world, model and SFT (default: a temp dir)")
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout.temperature (higher: longer tail of turns)")
+    p.add_argument("--model", help="policy folder (default: a short hot SFT warm start made in --work)")
     p.add_argument("--max-turns", type=int, default=4, help="rollout.max_turns (observations budgeted at 96 tokens)")
     p.add_argument("--scaling", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 8, 32],
                    help="also measure the raw engine at these concurrencies (comma-separated; empty: skip)")
