@@ -466,17 +466,25 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("bench", help="short trainings side by side: staleness sweep, ablations, async vs sync")
-    p.add_argument("kind", choices=["staleness", "ablations", "sync"])
-    p.add_argument("--config", required=True, help="YAML config file (configs/*.yaml)")
-    p.add_argument("--out", help="output folder (default runs/bench/KIND)")
-    p.add_argument("--steps", type=int, help="learner steps per arm (default learner.total_steps)")
-    p.add_argument("--eval-every", type=int, help="held-out evaluation every k steps (default steps/4)")
-    p.add_argument("--etas", default="0,1,2,4,8", help="staleness: comma-separated max_staleness values")
-    p.add_argument("--studies", default=",".join(DEFAULT_STUDIES),
-                   help=f"ablations: comma-separated, from {', '.join(STUDIES)}")
-    p.add_argument("--eta", type=int, default=2, help="sync: the asynchronous arm's max_staleness")
-    p.add_argument("--force", action="store_true", help="rerun arms whose finished run folder is present")
-    p.add_argument("--warm-starts", help="folder of the shared SFT warm starts (default OUT/../warm_start)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides for every arm, e.g. learner.lr=3e-4")
-    p.set_defaults(func=cmd_bench)
+    bench = subparsers.add_parser("bench", help="short trainings side by side: staleness sweep, ablations, async vs sync")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    helps = {"staleness": "one training per max_staleness (eta): throughput and reward",
+             "ablations": "one training per switch of the seeds' studies, against one baseline",
+             "sync": "asynchronous against synchronous (lockstep, eta=0) training"}
+    for kind, text in helps.items():
+        p = kinds.add_parser(kind, help=text)
+        p.add_argument("--config", required=True, help="YAML config file (configs/*.yaml)")
+        p.add_argument("--out", help=f"output folder (default runs/bench/{kind})")
+        p.add_argument("--steps", type=int, help="learner steps per arm (default learner.total_steps)")
+        p.add_argument("--eval-every", type=int, help="held-out evaluation every k steps (default steps/4)")
+        p.add_argument("--force", action="store_true", help="rerun arms whose finished run folder is present")
+        p.add_argument("--warm-starts", help="folder of the shared SFT warm starts (default OUT/../warm_start)")
+        if kind == "staleness":
+            p.add_argument("--etas", default="0,1,2,4,8", help="comma-separated max_staleness values")
+        elif kind == "ablations":
+            p.add_argument("--studies", default=",".join(DEFAULT_STUDIES),
+                           help=f"comma-separated, from {', '.join(STUDIES)}")
+        else:
+            p.add_argument("--eta", type=int, default=2, help="the asynchronous arm's max_staleness")
+        p.add_argument("overrides", nargs="*", help="dotted overrides for every arm, e.g. learner.lr=3e-4")
+        p.set_defaults(func=cmd_bench)
