@@ -164,6 +164,9 @@ class BufferConfig(_Section):
         "none", description="zero_variance: drop groups whose rewards are all equal (no GRPO signal); counted, "
         "and the batch is filled from the groups that follow")
     zero_variance_tol: float = Field(1e-6, ge=0, description="rewards closer than this count as equal")
+    group_filter_max_streak: int = Field(
+        64, ge=1, description="after this many filtered groups in a row the filter stands aside (counted) until a "
+        "group with a reward spread arrives: a policy with no signal at all must not stall the run")
     snapshot_dir: Optional[str] = None
     snapshot_every_steps: int = Field(0, ge=0)
 

@@ -14,6 +14,9 @@ step's compute and teaches nothing. Such a group is evicted the moment it comple
 ``filtered_zero_variance``; ``stats()["filtered_groups"]`` splits the dropped groups into ``all_correct`` /
 ``all_wrong`` by the members' exact-match score, ``all_equal`` for the rest), so it never takes a batch slot: the
 batch is filled from the groups that follow, and the freed admission slots let the actors generate replacements.
+A policy that earns the same reward everywhere (a random model: always 0) would then never fill a batch; after
+``group_filter_max_streak`` filtered groups in a row the filter stands aside (equal-reward groups are kept and
+counted in ``zero_variance_kept``, with a warning) until a group with a reward spread arrives again.
 
 Sampling. ``sample(batch_size, v)`` returns exactly ``batch_size`` trajectories in whole groups (members adjacent), oldest
 first (``fifo``) or highest ``meta.extra["priority"]`` first (``priority``, a group's priority is its members'
@@ -178,6 +181,7 @@ class ReplayBuffer:
         self.counters: Counter[str] = Counter()
         self.evicted: Counter[str] = Counter({r: 0 for r in EVICTION_REASONS})
         self.filtered_groups: Counter[str] = Counter({k: 0 for k in ("all_correct", "all_wrong", "all_equal")})
+        self._filtered_streak = 0  # zero-variance groups in a row
         self.staleness_histogram: Counter[int] = Counter()
         if config.group_filter != "none" and group_size < 2:
             raise ValueError(f"group_filter={config.group_filter!r} needs group_size >= 2 (got {group_size})")
@@ -269,8 +273,20 @@ class ReplayBuffer:
         """Apply ``group_filter`` to a completed group: evict it (True) or let it be released (False)."""
         rewards = [it.reward for it in group.items]
         lo, hi = min(rewards), max(rewards)
-        if self.config.group_filter == "none" or hi - lo > self.config.zero_variance_tol:
+        if self.config.group_filter == "none":
             return False
+        if hi - lo > self.config.zero_variance_tol:
+            self._filtered_streak = 0
+            return False
+        if self._filtered_streak >= self.config.group_filter_max_streak:
+            if self._filtered_streak == self.config.group_filter_max_streak:
+                logger.warning("replay buffer: the last %d groups all had equal rewards (no GRPO signal); keeping such "
+                               "groups until one with a reward spread arrives, so the run goes on",
+                               self._filtered_streak)
+            self._filtered_streak += 1
+            self.counters["zero_variance_kept"] += 1
+            return False
+        self._filtered_streak += 1
         em = {it.correct for it in group.items}
         kind = "all_correct" if em == {1.0} else "all_wrong" if em == {0.0} else "all_equal"
         self.filtered_groups[kind] += 1
@@ -409,6 +425,7 @@ class ReplayBuffer:
             "evicted": dict(self.evicted),
             "evicted_total": sum(self.evicted.values()),
             "filtered_groups": dict(self.filtered_groups),
+            "zero_variance_kept": self.counters["zero_variance_kept"],
             "staleness_histogram": dict(sorted(self.staleness_histogram.items())),
             "capacity_trajectories": self.config.capacity_trajectories,
             "capacity_tokens": self.config.capacity_tokens,
@@ -436,6 +453,7 @@ class ReplayBuffer:
                 "counters": dict(self.counters),
                 "evicted": dict(self.evicted),
                 "filtered_groups": dict(self.filtered_groups),
+            "zero_variance_kept": self.counters["zero_variance_kept"],
                 "staleness_histogram": [[k, v] for k, v in self.staleness_histogram.items()],
                 "ready": [group_state(self._ready[s]) for s in sorted(self._ready)],
                 "pending": [group_state(g) for g in self._pending.values()],

@@ -193,6 +193,7 @@ def test_ray_job_submit_runs_a_short_training_to_completion(ray_cluster, tmp_pat
         f"learner.total_steps={TOTAL_STEPS}", "learner.batch_size=16", "learner.mini_batch_size=16",
         "learner.micro_batch_size=8", "eval.num_questions=8", "sft.enabled=false", "monitoring.log_every_s=1",
         "cluster.ray_address=auto",
+        "buffer.group_filter_max_streak=4",  # the random-init policy never scores: the filter must stand aside
     ]
     submitted = time.time()
     submit = [ray_cli(), "job", "submit", "--address", url, "--working-dir", ".", "--submission-id", job_id,

@@ -390,3 +390,19 @@ def test_random_traffic_keeps_groups_whole_memory_bounded_and_nothing_lost(group
         assert s["size"] <= cap and s["tokens"] <= 6 * cap
         assert s["pushed"] == s["sampled"] + s["evicted_total"] + s["size"]
         assert sum(evictions) == s["evicted_total"]
+
+
+def test_the_filter_stands_aside_after_a_streak_so_a_policy_without_signal_cannot_stall_the_run(caplog):
+    buf = make(group_size=2, group_filter="zero_variance", group_filter_max_streak=2)
+    for g in ("a", "b"):  # filtered: the streak reaches the limit
+        buf.push([traj(g, 0), traj(g, 1)])
+    assert buf.sample_wire(2, 0) is None
+    with caplog.at_level(logging.WARNING, logger="buffer.replay_buffer"):
+        buf.push([traj("c", 0), traj("c", 1), traj("d", 0), traj("d", 1)])  # kept: nothing else would ever come
+    assert "all had equal rewards" in caplog.text
+    assert ids(buf.sample_wire(4, 0)) == ["c/0", "c/1", "d/0", "d/1"]
+    buf.push([traj("mixed", 0, reward=1.0), traj("mixed", 1)])  # a reward spread: the filter is back
+    buf.push([traj("e", 0), traj("e", 1)])
+    assert ids(buf.sample_wire(2, 0)) == ["mixed/0", "mixed/1"] and buf.sample_wire(2, 0) is None
+    s = buf.stats()
+    assert s["zero_variance_kept"] == 2 and s["evicted"][EVICT_ZERO_VARIANCE] == 6
