@@ -224,6 +224,12 @@ class Trainer:
                 if time.monotonic() - last_check > SUPERVISE_WHILE_WAITING_S:
                     self.supervise()
                     last_check = time.monotonic()
+                    waited = last_check - wait0
+                    if waited > 60 and int(waited / SUPERVISE_WHILE_WAITING_S) % 12 == 0:  # about once a minute
+                        b = ray.get(self.buffer.stats.remote())
+                        self.log.say(f"[wait] no batch for {waited:.0f} s: buffer size {b.get('size')}, ready groups "
+                                     f"{b.get('ready_groups')}, pending {b.get('pending_groups')}, evicted "
+                                     f"{b.get('evicted')}, admission {b.get('admission')}")
                 time.sleep(0.05)
         wait_s = time.monotonic() - wait0
         batch_summary = batch.summary()
