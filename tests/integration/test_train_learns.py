@@ -1,0 +1,46 @@
+"""The whole system learns: a short asynchronous run (Ray, vLLM CPU actor, BM25 server, buffer, DeepSpeed learner,
+weight publishing) raises the reward it is trained on.
+
+The policy is the hot SFT warm start of ``searching_model_dir`` (it writes the Search-R1 tags but rarely in a
+well-formed episode: its exact-match, retrieval-hit and strict-format rewards are all near 0, no signal) and the
+reward is ``tag_count`` (open-r1's graded tag check: think and answer pairs, a search answered by information,
+nothing after the answer). Measured: batch reward 0.26 over the first 6 steps, 0.40 over the last 6 (per-step
+noise about 0.05). The test fails if any link is broken: rewards
+not reaching the learner, the loss on the wrong tokens or with the wrong sign, weights not reaching the engine,
+versions mislabeled so the importance weights are wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from async_agent_rl.config import load_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 24
+
+
+def test_a_short_run_raises_the_trained_reward(tmp_path, world_dir, searching_model_dir):
+    from async_agent_rl.train import Trainer
+
+    cfg = load_config(REPO / "configs/quickstart.yaml", [
+        f"run.output_dir={tmp_path}", "run.name=learn", f"model.path={searching_model_dir}",
+        f"data.train_files=[{world_dir}/train.parquet]", f"data.test_files=[{world_dir}/test.parquet]",
+        f"data.corpus_file={world_dir}/corpus.jsonl", "model.max_model_len=1024",
+        "reward.terms=[{name: tag_count, weight: 1.0}]",
+        f"learner.total_steps={STEPS}", "learner.batch_size=32", "learner.mini_batch_size=32",
+        "learner.micro_batch_size=16", "learner.lr=1e-3", "buffer.max_staleness=1", "buffer.group_filter=none",
+        "sft.enabled=false", "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0",
+        "monitoring.enabled=false",
+    ])  # fmt: skip
+    summary = Trainer(cfg, quiet=True).run()
+    assert summary["steps"] == STEPS
+    rows = [json.loads(x) for x in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["batch_reward"] for r in rows]
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    assert last > first + 0.07, rewards
