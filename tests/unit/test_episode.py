@@ -142,3 +142,30 @@ def test_overlong_prompt_is_refused_with_a_clear_error(server, tok):
     ex = QAExample(id="long", question="word " * 400, gold_answers=["x"])
     with pytest.raises(PromptTooLongError, match="question long: prompt has"):
         asyncio.run(_episode(server.url, tok, ["<answer> x </answer>"], ex, max_prompt_length=64))
+
+
+@pytest.mark.parametrize("topk", [1, 3, 5])
+def test_topk_switch_sets_the_passages_per_observation(server, tok, person, topk):
+    """``retriever.topk`` (Search-R1's top-k study) reaches the episode through the client: k documents. The query
+    is a city, which many passages mention (a person's name matches one passage only)."""
+    city = person[1]["birth_city"]
+    ex = QAExample(id="q", question="?", gold_answers=["x"])
+
+    async def go():
+        async with SearchClient(server.url, SearchClientConfig(timeout_s=2, retries=0, deadline_s=3), topk=topk) as sc:
+            engine = ScriptedEngine(tok, [f"<search> {city} </search>", "<answer> x </answer>"])
+            return await EpisodeRunner(engine, sc, tok, settings(max_obs_length=400)).run(ex, group_id="g")
+
+    traj = asyncio.run(go())
+    obs = tok.decode(traj.response_ids[traj.turns[1].start : traj.turns[1].end])
+    assert f"Doc {topk}(Title:" in obs and f"Doc {topk + 1}(Title:" not in obs
+
+
+def test_chat_template_switch_gives_an_instruct_or_a_plain_prompt(server, tok):
+    """``data.apply_chat_template`` (instruct vs base study): the chat-formatted prompt or the bare instruction."""
+    ex = QAExample(id="q", question="Who founded Zeishou Works?", gold_answers=["x"])
+    chat = tok.decode(EpisodeRunner(None, None, tok, settings(apply_chat_template=True)).prompt_ids_for(ex))
+    plain = tok.decode(EpisodeRunner(None, None, tok, settings(apply_chat_template=False)).prompt_ids_for(ex))
+    assert chat.startswith("<|im_start|>user") and chat.rstrip().endswith("<|im_start|>assistant")
+    assert "<|im_start|>" not in plain and "Who founded Zeishou Works?" in plain
+    assert plain.strip() in chat
