@@ -375,9 +375,10 @@ def write_report(kind: str, runs: Sequence[ArmRun], out: Path, command: str, ext
     if extra:
         lines += [extra, ""]
     lines += [table(runs), ""]
-    studies = list(dict.fromkeys(r.arm.study for r in runs))
+    studies = [s for s in dict.fromkeys(r.arm.study for r in runs) if s != "baseline"]
+    baseline = [r for r in runs if r.arm.study == "baseline"]  # ablations: drawn in every study's plot
     for study in studies:
-        group = [r for r in runs if r.arm.study == study]
+        group = baseline + [r for r in runs if r.arm.study == study]
         png = plot_study(group, out / f"{study}.png", f"{kind}: {study}")
         if png is not None:
             lines += [f"![{study}]({png.name})", ""]
