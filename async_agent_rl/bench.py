@@ -207,10 +207,6 @@ def _clear(run_dir: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------- results
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
-
-
 def _mean(xs: Sequence[float]) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else float("nan")
@@ -222,8 +218,10 @@ def arm_result(run_dir: Path) -> dict[str, Any]:
     of it."""
     import yaml
 
-    metrics = _jsonl(run_dir / "metrics.jsonl")
-    evals = _jsonl(run_dir / "eval.jsonl")
+    from async_agent_rl.plots import read_jsonl
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     if not metrics or not evals:
@@ -365,7 +363,7 @@ machines where actors and learner share cores, overlap buys less and a small eta
 
 
 def write_report(kind: str, runs: Sequence[ArmRun], out: Path, command: str, extra: str = "") -> Path:
-    results = {r.arm.name: {"arm": asdict(r.arm), "run_dir": str(r.run_dir), "seconds": r.seconds,
+    results = {r.arm.name: {"arm": asdict(r.arm), "overrides": r.overrides, "run_dir": str(r.run_dir), "seconds": r.seconds,
                             "reused": r.reused, "error": r.error, **r.result} for r in runs}
     (out / "report.json").write_text(json.dumps(results, indent=1) + "\n")
     lines = [f"# bench {kind}", "", "Command:", "", f"    {command}", "",

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 
-def _read(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a run folder's JSON-lines file (``metrics.jsonl``, ``eval.jsonl``); [] when absent."""
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -19,8 +20,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    rows = _read(run_dir / "metrics.jsonl")
-    evals = _read(run_dir / "eval.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
     if not rows:
         return []
     out = run_dir / "plots"

@@ -216,6 +216,7 @@ class Trainer:
 
         cfg = self.cfg
         wait0 = last_check = time.monotonic()
+        next_report = wait0 + 60.0
         batch = None
         while batch is None:
             batch = ray.get(self.buffer.sample_batch.remote(cfg.learner.batch_size, self.version, self.pad_id))
@@ -224,12 +225,12 @@ class Trainer:
                 if time.monotonic() - last_check > SUPERVISE_WHILE_WAITING_S:
                     self.supervise()
                     last_check = time.monotonic()
-                    waited = last_check - wait0
-                    if waited > 60 and int(waited / SUPERVISE_WHILE_WAITING_S) % 12 == 0:  # about once a minute
-                        b = ray.get(self.buffer.stats.remote())
-                        self.log.say(f"[wait] no batch for {waited:.0f} s: buffer size {b.get('size')}, ready groups "
-                                     f"{b.get('ready_groups')}, pending {b.get('pending_groups')}, evicted "
-                                     f"{b.get('evicted')}, admission {b.get('admission')}")
+                if time.monotonic() > next_report:  # once a minute: why is there no batch?
+                    next_report += 60.0
+                    b = ray.get(self.buffer.stats.remote())
+                    self.log.say(f"[wait] no batch for {time.monotonic() - wait0:.0f} s: buffer size {b.get('size')}, ready groups "
+                                 f"{b.get('ready_groups')}, pending {b.get('pending_groups')}, evicted "
+                                 f"{b.get('evicted')}, admission {b.get('admission')}")
                 time.sleep(0.05)
         wait_s = time.monotonic() - wait0
         batch_summary = batch.summary()

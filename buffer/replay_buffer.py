@@ -271,10 +271,10 @@ class ReplayBuffer:
 
     def _filtered(self, group: _Group) -> bool:
         """Apply ``group_filter`` to a completed group: evict it (True) or let it be released (False)."""
-        rewards = [it.reward for it in group.items]
-        lo, hi = min(rewards), max(rewards)
         if self.config.group_filter == "none":
             return False
+        rewards = [it.reward for it in group.items]
+        lo, hi = min(rewards), max(rewards)
         if hi - lo > self.config.zero_variance_tol:
             self._filtered_streak = 0
             return False

@@ -56,11 +56,10 @@ def searching_model_dir(world_dir, tiny_model_dir, tmp_path_factory) -> Path:
     does), for tests that need a policy that uses the retriever."""
     from async_agent_rl.config import load_config
     from learner.sft import run_sft
+    from tests.helpers import world_overrides
 
     cfg = load_config(REPO / "configs/quickstart.yaml", [
-        f"model.path={tiny_model_dir}", f"data.world_dir={world_dir}",
-        f"data.train_files=[{world_dir}/train.parquet]", f"data.test_files=[{world_dir}/test.parquet]",
-        f"data.corpus_file={world_dir}/corpus.jsonl", "sft.num_demos=64", "sft.epochs=2", "sft.warmup_steps=1",
+        *world_overrides(world_dir, tiny_model_dir), "sft.num_demos=64", "sft.epochs=2", "sft.warmup_steps=1",
         "sft.lr=1e-2", "sft.pretrain_steps=0",
     ])  # fmt: skip
     out = tmp_path_factory.mktemp("searching_model")

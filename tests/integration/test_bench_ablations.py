@@ -14,22 +14,19 @@ from pathlib import Path
 import pytest
 import yaml
 
+from async_agent_rl.plots import read_jsonl
+from tests.helpers import world_overrides
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def bench(out: Path, world_dir: Path, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "async_agent_rl.cli", "bench", "ablations", "--config", "configs/quickstart.yaml",
         "--studies", "masking", "--steps", "2", "--eval-every", "1", "--out", str(out), *extra,
-        f"model.path={model_dir}", f"data.world_dir={world_dir}",
-        f"data.train_files={json.dumps([str(world_dir / 'train.parquet')])}",
-        f"data.test_files={json.dumps([str(world_dir / 'test.parquet')])}", f"data.corpus_file={world_dir / 'corpus.jsonl'}",
+        *world_overrides(world_dir, model_dir),
         "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=8", "eval.num_questions=8",
         "sft.num_demos=32", "sft.epochs=1", "sft.pretrain_steps=0", "sft.warmup_steps=1",
     ]  # fmt: skip

@@ -15,6 +15,7 @@ from async_agent_rl.demos import make_demonstrations
 from async_agent_rl.prompts import prompt_ids, render_question_prompt
 from async_agent_rl.retriever.backends import BM25Backend
 from learner.sft import METRICS_FILE, entity_token_ids, evaluate_nll, masked_nll, run_sft
+from tests.helpers import world_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -26,13 +27,7 @@ def setup(world_dir, tiny_model_dir):
     cfg = load_config(
         None,
         [
-            f"model.path={tiny_model_dir}",
-            "model.max_model_len=1024",
-            f"data.train_files=[{world_dir / 'train.parquet'}]",
-            f"data.test_files=[{world_dir / 'test.parquet'}]",
-            f"data.corpus_file={world_dir / 'corpus.jsonl'}",
-            f"data.world_dir={world_dir}",
-            "data.prompt_template=minimal",
+            *world_overrides(world_dir, tiny_model_dir),
             "rollout.max_tokens_per_turn=48",
             "rollout.max_response_length=384",
             "rollout.max_obs_length=160",

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from async_agent_rl.config import load_config
+from async_agent_rl.plots import read_jsonl
+from tests.helpers import world_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,14 +31,8 @@ SMALL = [
 
 def small_config(tmp_path: Path, world_dir: Path, model_dir: Path, *extra: str):
     return load_config(REPO / "configs/quickstart.yaml", [
-        *SMALL, f"run.output_dir={tmp_path}", "run.name=run", f"model.path={model_dir}",
-        f"data.train_files=[{world_dir}/train.parquet]", f"data.test_files=[{world_dir}/test.parquet]",
-        f"data.corpus_file={world_dir}/corpus.jsonl", "model.max_model_len=1024", *extra,
+        *SMALL, f"run.output_dir={tmp_path}", "run.name=run", *world_overrides(world_dir, model_dir), *extra,
     ])  # fmt: skip
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_killed_rollout_actor_is_restarted_and_training_finishes(tmp_path, world_dir, tiny_model_dir):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from async_agent_rl.config import load_config
+from tests.helpers import world_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,9 +32,7 @@ def test_a_short_run_raises_the_trained_reward(tmp_path, world_dir, searching_mo
     from async_agent_rl.train import Trainer
 
     cfg = load_config(REPO / "configs/quickstart.yaml", [
-        f"run.output_dir={tmp_path}", "run.name=learn", f"model.path={searching_model_dir}",
-        f"data.train_files=[{world_dir}/train.parquet]", f"data.test_files=[{world_dir}/test.parquet]",
-        f"data.corpus_file={world_dir}/corpus.jsonl", "model.max_model_len=1024",
+        f"run.output_dir={tmp_path}", "run.name=learn", *world_overrides(world_dir, searching_model_dir),
         "reward.terms=[{name: tag_count, weight: 1.0}]",
         f"learner.total_steps={STEPS}", "learner.batch_size=32", "learner.mini_batch_size=32",
         "learner.micro_batch_size=16", "learner.lr=1e-3", "buffer.max_staleness=1", "buffer.group_filter=none",

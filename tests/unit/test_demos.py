@@ -17,6 +17,7 @@ from async_agent_rl.demos import DemoError, DemoExpert, DemoReport, make_demonst
 from async_agent_rl.retriever.backends import BM25Backend
 from async_agent_rl.retriever.render import INFORMATION_CLOSE, render_information, truncate_observation
 from async_agent_rl.rewards import exact_match, is_valid_format
+from tests.helpers import world_overrides
 
 N = 120
 
@@ -28,12 +29,7 @@ def setup(world_dir, tiny_model_dir):
     cfg = load_config(
         None,
         [
-            f"model.path={tiny_model_dir}",
-            "model.max_model_len=1024",
-            f"data.train_files=[{world_dir / 'train.parquet'}]",
-            f"data.test_files=[{world_dir / 'test.parquet'}]",
-            f"data.corpus_file={world_dir / 'corpus.jsonl'}",
-            "data.prompt_template=minimal",
+            *world_overrides(world_dir, tiny_model_dir),
             "rollout.max_turns=4",
             "rollout.max_tokens_per_turn=48",
             "rollout.max_response_length=384",
