@@ -221,6 +221,10 @@ class LearnerConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     num_ranks: int = Field(1, ge=1)
     use_reference_model: bool = False
+    freeze_embeddings: bool = Field(
+        False, description="keep the token embeddings (and an output head tied to them) fixed: RL then changes how "
+        "the model reads and copies, not the tokens themselves (a small model whose embeddings train on a few "
+        "rewarded answers learns to emit them from memory instead of copying them from the observation)")
     critic_lr: float = Field(1e-5, gt=0)
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0 = only at the end)")
     seed: int = 0
@@ -245,6 +249,10 @@ class SFTConfig(_Section):
     pretrain_steps: int = Field(
         0, ge=0, description="embedded world only: LM steps on shuffled-fact passages first (teaches copying names)"
     )
+    shuffled_copies: int = Field(
+        0, ge=0, description="embedded world only: draw the demonstrations from this many fact-shuffled copies of "
+        "the world (train subjects, each copy with its own index) instead of the true train facts, so the warm "
+        "start learns to read answers rather than memorize them (0 = the true train questions)")
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)

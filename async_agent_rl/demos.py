@@ -334,3 +334,54 @@ def shuffled_world_observations(world_file: str | Path, copies: int, seed: int =
             texts.append(render_information(passages[i : i + k]))
             i += k
     return texts
+
+
+def shuffled_world_demonstrations(
+    cfg: Config,
+    tokenizer: Any,
+    train_examples: Sequence[QAExample],
+    n: int,
+    copies: int,
+    seed: int = 0,
+    report: DemoReport | None = None,
+) -> list[Trajectory]:
+    """``n`` demonstrations spread over ``copies`` fact-shuffled copies of the embedded world.
+
+    Each copy (``world.shuffle_facts`` of ``data.world_dir/world.json``) keeps every name and sentence shape but
+    permutes each attribute among the entities of one kind, gets its own search index over its own passages (the
+    configured backend), and asks the world's question templates about the SUBJECTS OF ``train_examples`` only
+    (held-out subjects are never asked about). A fact differs from copy to copy, so an answer can only be got right
+    by reading the observation: the warm start learns to read instead of memorizing train answers, and nothing true
+    about any entity is taught.
+    """
+    from async_agent_rl.data.world import passages_of, questions_about, read_entities, shuffle_facts
+    from async_agent_rl.retriever.backends import open_backend
+
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    world_file = Path(cfg.data.world_dir) / "world.json"
+    if not world_file.is_file():
+        raise FileNotFoundError(f"shuffled-world demonstrations need the world's entity table {world_file}")
+    entities = read_entities(world_file)
+    subjects = sorted({s for ex in train_examples if (s := ex.extra.get("subject")) in entities})
+    if not subjects:
+        raise DemoError("*", "no_world_subject", "no train question names an entity of the world")
+    rng = random.Random(seed)
+    per_copy = -(-n // copies)
+    out: list[Trajectory] = []
+    for c in range(copies):
+        world = shuffle_facts(entities, rng)
+        passages = [Passage(id=p["id"], contents=p["contents"]) for p in passages_of(world)]
+        backend = open_backend(cfg.retriever.backend, passages, None, cfg.retriever.dense_model)
+        examples = []
+        for name in subjects:
+            for q in questions_about(world[name], world, rng, cfg.data.world.two_hop_fraction):
+                examples.append(QAExample(
+                    id=f"shuffled{c}/{len(examples)}", question=q.question, gold_answers=q.answers,
+                    data_source=q.data_source, split="train", index=len(examples),
+                    extra={"subject": q.subject, "hops": q.hops, "relation": q.relation, "bridge": q.bridge},
+                ))
+        take = min(per_copy, n - len(out))
+        if take > 0:
+            out += make_demonstrations(cfg, tokenizer, examples, backend, take, seed=seed + c, report=report)
+    return out

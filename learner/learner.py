@@ -301,6 +301,8 @@ class Learner:
 
         dtype = torch.bfloat16 if lc.dtype == "bfloat16" else torch.float32
         policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        if lc.freeze_embeddings:  # a tied output head is the same tensor: it stays fixed too
+            policy.get_input_embeddings().requires_grad_(False)
         self.policy = self._engine(policy, lc.lr)
         self.device = self.policy.engine.device
         self.reference = None
@@ -324,7 +326,8 @@ class Learner:
 
     def _engine(self, model: torch.nn.Module, lr: float) -> _TrainEngine:
         lc = self.cfg.learner
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=lc.betas, weight_decay=lc.weight_decay)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=lr, betas=lc.betas, weight_decay=lc.weight_decay)
         engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=_ds_config(lc, self.world_size))
         engine.eval()  # no dropout: the proximal pass and the live pass must compute the same function

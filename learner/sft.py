@@ -224,14 +224,19 @@ def build_demonstrations(cfg: Config, tokenizer: Any, report: Any = None) -> tup
     ``cfg.data.corpus_file``, and the corpus titles (entity names)."""
     from async_agent_rl.data.corpus import read_corpus
     from async_agent_rl.data.search_r1 import read_qa_files
-    from async_agent_rl.demos import make_demonstrations
+    from async_agent_rl.demos import make_demonstrations, shuffled_world_demonstrations
     from async_agent_rl.retriever.backends import open_backend
 
     examples, _ = read_qa_files(cfg.data.train_files, cfg.data.on_bad_row)
     passages = read_corpus(cfg.data.corpus_file)
     r = cfg.retriever
     backend = open_backend(r.backend, passages, r.index_dir, r.dense_model)
-    demos = make_demonstrations(cfg, tokenizer, examples, backend, cfg.sft.num_demos, seed=cfg.sft.seed, report=report)
+    if cfg.sft.shuffled_copies:
+        demos = shuffled_world_demonstrations(
+            cfg, tokenizer, examples, cfg.sft.num_demos, cfg.sft.shuffled_copies, seed=cfg.sft.seed, report=report
+        )
+    else:
+        demos = make_demonstrations(cfg, tokenizer, examples, backend, cfg.sft.num_demos, seed=cfg.sft.seed, report=report)
     return demos, [p.title for p in passages]
 
 

@@ -75,7 +75,7 @@ class World:
     test: list[Question]
 
     def passages(self) -> list[dict[str, str]]:
-        return [{"id": str(i), "contents": f'"{e.name}"\n{describe(e)}'} for i, e in enumerate(self.entities.values())]
+        return passages_of(self.entities)
 
 
 class _Names:
@@ -207,18 +207,49 @@ def generate_world(cfg: WorldConfig) -> World:
     train: list[Question] = []
     test: list[Question] = []
     for e in ents.values():
-        singles = [
-            Question(f"{t.format(s=e.name)}?", [e.attrs[attr]], e.name, 1, rel) for rel, t, attr in _SINGLE[e.kind]
-        ]
-        bridges = []
-        for rel, t, via, attr in _BRIDGE.get(e.kind, []):
-            mid = ents[e.attrs[via]]
-            bridges.append(Question(f"{t.format(s=e.name)}?", [mid.attrs[attr]], e.name, 2, rel, bridge=mid.name))
-        chosen = _mix(rng, singles, bridges, cfg.two_hop_fraction)
+        chosen = questions_about(e, ents, rng, cfg.two_hop_fraction)
         (test if e.name in test_subjects else train).extend(chosen)
     rng.shuffle(train)
     rng.shuffle(test)
     return World(ents, train, test)
+
+
+def questions_about(e: Entity, ents: dict[str, Entity], rng: random.Random, two_hop_fraction: float) -> list[Question]:
+    """The questions whose subject is ``e``: all its single-hop ones and a ``two_hop_fraction`` mix of bridges."""
+    singles = [Question(f"{t.format(s=e.name)}?", [e.attrs[attr]], e.name, 1, rel) for rel, t, attr in _SINGLE[e.kind]]
+    bridges = []
+    for rel, t, via, attr in _BRIDGE.get(e.kind, []):
+        mid = ents[e.attrs[via]]
+        bridges.append(Question(f"{t.format(s=e.name)}?", [mid.attrs[attr]], e.name, 2, rel, bridge=mid.name))
+    return _mix(rng, singles, bridges, two_hop_fraction)
+
+
+def read_entities(world_file: str | Path) -> dict[str, Entity]:
+    """The entity table ``write_world`` wrote (``world.json``)."""
+    table = json.loads(Path(world_file).read_text())
+    return {name: Entity(row["kind"], name, {k: v for k, v in row.items() if k != "kind"}) for name, row in table.items()}
+
+
+def shuffle_facts(ents: dict[str, Entity], rng: random.Random) -> dict[str, Entity]:
+    """A copy of the world with every attribute column permuted among the entities of one kind: the same names in
+    the same sentence shapes, no true fact except by chance. A model trained on such copies can only answer by
+    reading the passages it retrieves."""
+    by_kind: dict[str, list[Entity]] = {}
+    for e in ents.values():
+        by_kind.setdefault(e.kind, []).append(e)
+    out: dict[str, Entity] = {}
+    for kind, group in by_kind.items():
+        columns = {a: [e.attrs[a] for e in group] for a in group[0].attrs}
+        for col in columns.values():
+            rng.shuffle(col)
+        for i, e in enumerate(group):
+            out[e.name] = Entity(kind, e.name, {a: columns[a][i] for a in columns})
+    return out
+
+
+def passages_of(ents: dict[str, Entity]) -> list[dict[str, str]]:
+    """One Search-R1 corpus row per entity (``contents = '"Title"\\nbody'``)."""
+    return [{"id": str(i), "contents": f'"{e.name}"\n{describe(e)}'} for i, e in enumerate(ents.values())]
 
 
 def _mix(rng: random.Random, singles: list[Question], bridges: list[Question], two_hop_fraction: float) -> list[Question]:
