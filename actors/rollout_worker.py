@@ -84,12 +84,29 @@ class WorkerStats:
     reward_sum: float = 0.0
     reward_component_sums: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
+    # per question kind (the example's data_source): finished, reward_sum, exact_match_sum, searches
+    by_kind: dict = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
 
+    def add_finished(self, traj: Trajectory) -> None:
+        self.finished += 1
+        self.generated_tokens += traj.num_generated_tokens
+        self.observation_tokens += len(traj.response_ids) - traj.num_generated_tokens
+        self.searches += traj.meta.num_searches
+        self.search_errors += traj.meta.num_search_errors
+        self.reward_sum += traj.reward
+        self.reward_component_sums.update(traj.reward_components)
+        self.finish_reasons[traj.meta.finish_reason] += 1
+        k = self.by_kind.setdefault(traj.meta.data_source or "unknown", Counter())
+        k.update(finished=1, reward_sum=traj.reward, searches=traj.meta.num_searches,
+                 exact_match_sum=traj.reward_components.get("exact_match", 0.0))
+
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("finish_reasons", "reward_component_sums", "started_at")}
+        skip = ("finish_reasons", "reward_component_sums", "by_kind", "started_at")
+        d = {k: v for k, v in self.__dict__.items() if k not in skip}
         d["finish_reasons"] = dict(self.finish_reasons)
         d["reward_component_sums"] = dict(self.reward_component_sums)
+        d["by_kind"] = {kind: dict(c) for kind, c in self.by_kind.items()}
         d["elapsed_s"] = time.monotonic() - self.started_at
         d["running"] = self.started - self.finished - self.failed
         return d
@@ -226,15 +243,7 @@ class RolloutWorker:
             if barrier is not None:
                 await barrier.leave()  # the rest of the wave stops waiting for this episode
         traj.meta.actor_id = self.actor_id
-        s = self.stats
-        s.finished += 1
-        s.generated_tokens += traj.num_generated_tokens
-        s.observation_tokens += len(traj.response_ids) - traj.num_generated_tokens
-        s.searches += traj.meta.num_searches
-        s.search_errors += traj.meta.num_search_errors
-        s.reward_sum += traj.reward
-        s.reward_component_sums.update(traj.reward_components)
-        s.finish_reasons[traj.meta.finish_reason] += 1
+        self.stats.add_finished(traj)
         await self._outbox.put(traj)
 
     # ------------------------------------------------------------------------------------------------ pushing

@@ -24,14 +24,15 @@ from async_agent_rl.rewards import exact_match, f1
 
 
 @contextlib.contextmanager
-def retriever_url(cfg: Config):
-    """Yield the URL of a Search-R1-compatible server: the configured one, or a child process we start."""
+def retriever_url(cfg: Config, log_file: str | Path | None = None):
+    """Yield the URL of a Search-R1-compatible server: the configured one, or a child process we start (its log
+    lines into ``log_file`` when given)."""
     if cfg.retriever.url:
         yield cfg.retriever.url
         return
     from async_agent_rl.retriever.server import spawn_server
 
-    with spawn_server(cfg.data.corpus_file, cfg.retriever) as server:
+    with spawn_server(cfg.data.corpus_file, cfg.retriever, log_file=log_file) as server:
         yield server.url
 
 

@@ -22,9 +22,9 @@ import json
 import logging
 import os
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from async_agent_rl.config import Config
 
@@ -90,7 +90,138 @@ def _ray_init(cfg: Config) -> None:
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
+        # the actors' output (vLLM, DeepSpeed, Ray) stays in the session's log folder, linked from the run folder
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
+                 log_to_driver=False, logging_level=logging.WARNING)
+
+
+LOG_FILE = "train.log"
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+@contextmanager
+def _logs_to_file(path: Path) -> Iterator[None]:
+    """For the run: library and engine logs (INFO and up) go to ``path``; the terminal keeps the run's own lines
+    (``RunLog.say``) and warnings. Progress bars of transformers are turned off."""
+    import transformers
+
+    root = logging.getLogger()
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.DEBUG if root.level <= logging.DEBUG else logging.INFO)
+    consoles = [(h, h.level) for h in root.handlers if isinstance(h, logging.StreamHandler)
+                and not isinstance(h, logging.FileHandler)]
+    level = root.level
+    for h, _ in consoles:
+        h.setLevel(max(h.level, logging.WARNING))
+    root.addHandler(handler)
+    root.setLevel(min(level, logging.INFO) if level else logging.INFO)
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        root.setLevel(level)
+        for h, old in consoles:
+            h.setLevel(old)
+        transformers.utils.logging.enable_progress_bar()
+
+
+def _eval_brief(rec: dict) -> dict:
+    """Exact match and searches per question by question kind (``all`` included) of one evaluation record."""
+    return {k: {"exact_match": v["exact_match"], "searches_per_question": v["searches_per_question"], "n": v["n"]}
+            for k, v in rec.items() if isinstance(v, dict) and "exact_match" in v}
+
+
+def closing_lines(summary: dict, start: dict | None, end: dict | None, plots: list[Path], run_dir: Path) -> list[str]:
+    """The run's last lines on the terminal: held-out exact match from the start to the end, by question kind, and
+    where the results are."""
+    lines = [f"[done] {summary['steps']} RL steps in {_duration(summary['train_seconds'])}"]
+    if start and end:
+        for kind in [k for k in end if isinstance(end[k], dict) and "exact_match" in end[k]]:
+            a, b = start.get(kind), end[kind]
+            if not isinstance(a, dict):
+                continue
+            name = "held-out" if kind == "all" else f"  {kind}"
+            lines.append(
+                f"[done] {name:<14} exact match {a['exact_match']:.3f} -> {b['exact_match']:.3f} "
+                f"({b['exact_match'] - a['exact_match']:+.3f})   searches/question {a['searches_per_question']:.2f} "
+                f"-> {b['searches_per_question']:.2f}   (n={b['n']})")
+    lines.append(f"[done] results in {run_dir}: summary.json, metrics.jsonl, eval.jsonl, final/, {LOG_FILE}")
+    if plots:
+        lines.append(f"[done] plots: {', '.join(str(p) for p in plots)}")
+    return lines
+
+
+class LearningSignals:
+    """Per-step learning signals from the components' running totals: the share of completed groups whose rewards
+    were all equal (no GRPO signal), and the rollout reward, exact match and searches by question kind over the
+    episodes finished since the previous step. Warns when nearly every group has had equal rewards for several
+    steps in a row: the policy is then too sure of itself (or too weak) for group-relative advantages."""
+
+    FLAT_SHARE = 0.9  # this share of equal-reward groups or more ...
+    FLAT_STEPS = 5  # ... for this many steps in a row: warn
+    KIND_TOTALS = {"reward": "reward_sum", "exact_match": "exact_match_sum", "searches": "searches"}
+
+    def __init__(self) -> None:
+        self._groups = (0, 0)  # (completed, zero variance) at the previous step
+        self._kinds: dict[str, dict[str, float]] = {}  # per kind, totals over actors at the previous step
+        self._flat_steps = 0
+        self._pending: list[str] = []
+
+    def update(self, rollout: list[dict], buffer: dict, learner: dict) -> dict:
+        completed, flat = int(buffer.get("groups_completed", 0)), int(buffer.get("groups_zero_variance", 0))
+        d_completed, d_flat = completed - self._groups[0], flat - self._groups[1]
+        self._groups = (completed, flat)
+        share = d_flat / d_completed if d_completed > 0 else None
+        totals: dict[str, dict[str, float]] = {}
+        for stats in rollout:
+            for kind, c in (stats.get("by_kind") or {}).items():
+                t = totals.setdefault(kind, {})
+                for key, value in c.items():
+                    t[key] = t.get(key, 0.0) + float(value)
+        by_kind = {}
+        for kind, t in sorted(totals.items()):
+            prev = self._kinds.get(kind, {})
+            if t.get("finished", 0.0) < prev.get("finished", 0.0):  # an actor restarted: its totals began again
+                prev = {}
+            n = t.get("finished", 0.0) - prev.get("finished", 0.0)
+            if n > 0:
+                by_kind[kind] = {"episodes": int(n), **{
+                    name: (t.get(total, 0.0) - prev.get(total, 0.0)) / n for name, total in self.KIND_TOTALS.items()}}
+        self._kinds = totals
+        if share is not None:
+            self._flat_steps = self._flat_steps + 1 if share >= self.FLAT_SHARE else 0
+            if self._flat_steps == self.FLAT_STEPS:
+                self._pending.append(
+                    f"{share:.0%} of the groups completed in each of the last {self.FLAT_STEPS} steps had equal "
+                    "rewards, so group-relative advantages are zero and RL learns nothing from them. Raise "
+                    "rollout.temperature (more varied answers) or rollout.group_size (more chances of a spread), or "
+                    "change the warm start (too weak: all wrong; too strong: all right)")
+        return {"zero_variance_share": share, "entropy": learner.get("entropy"), "by_kind": by_kind}
+
+    def warnings(self) -> list[str]:
+        out, self._pending = self._pending, []
+        return out
+
+
+def _link_ray_logs(link: Path) -> None:
+    """``link`` -> this Ray session's log folder (every actor's stdout and stderr), replacing an older link."""
+    from ray._private.worker import global_worker
+
+    node = getattr(global_worker, "node", None)
+    logs = node.get_logs_dir_path() if node is not None else None
+    if not logs or not Path(logs).is_dir():
+        return
+    if link.is_symlink():
+        link.unlink()
+    if not link.exists():
+        link.symlink_to(Path(logs).resolve(), target_is_directory=True)
 
 
 class Trainer:
@@ -107,17 +238,23 @@ class Trainer:
         self.lost_episodes = 0
         self.retired: dict[str, float] = {}  # totals of actor incarnations that died (their stats restart at 0)
         self.resume_from: Path | None = None
+        self.learning = LearningSignals()
+        self.first_step: int | None = None  # the step the RL loop started from (a resumed run: its checkpoint's)
 
     # --------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
         cfg = self.cfg
         cfg.save(self.run_dir / "config.yaml")
-        self.prepare_inputs()
         with ExitStack() as stack:
+            stack.enter_context(_logs_to_file(self.run_dir / LOG_FILE))
+            self.log.say(f"[run] {self.run_dir}: {cfg.learner.total_steps} RL steps; engine, Ray and library logs "
+                         f"go to {self.run_dir / LOG_FILE}")
+            self.prepare_inputs()
             self.start_components(stack)
             start = self.evaluate("start") if cfg.eval.at_start and self.resume_from is None else None
             self.start_rollouts()
             t0 = time.monotonic()
+            self.first_step = self.step
             while self.step < cfg.learner.total_steps:
                 self.train_step(t0)
                 if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.learner.total_steps:
@@ -126,8 +263,10 @@ class Trainer:
             end = self.evaluate("end") if cfg.eval.at_end else None
             final = self.save(self.run_dir / "final")
             summary = self.summary(start, end, rollout, time.monotonic() - t0, final)
-        self.plots()
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            plots = self.plots()
+        for line in closing_lines(summary, start, end, plots, self.run_dir):
+            self.log.say(line)
         return summary
 
     # ------------------------------------------------------------------------------------------------ steps
@@ -160,7 +299,8 @@ class Trainer:
         cfg = self.cfg
         _ray_init(cfg)
         stack.callback(ray.shutdown)
-        self.url = stack.enter_context(retriever_url(cfg))
+        _link_ray_logs(self.run_dir / "ray_logs")
+        self.url = stack.enter_context(retriever_url(cfg, log_file=self.run_dir / "retriever.log"))
         self.log.say(f"[start] retriever {self.url}")
         self.mon = self._start_monitoring(stack)
         self.buffer = create_buffer_actor(cfg)
@@ -250,19 +390,30 @@ class Trainer:
             self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish)
         record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
         record["batch"] = batch_summary
+        record["learning"] = self.learning.update(rollout, buffer, metrics)
+        if self.mon is not None:
+            self.mon.learning.update(record["learning"])
+        for warning in self.learning.warnings():
+            self.log.say(f"[warning] {warning}")
         self.history.append(record)
         self.log.write("metrics.jsonl", record)
-        evicted = sum(n for r, n in buffer.get("evicted", {}).items() if not r.startswith("filtered"))
-        filtered = sum(n for r, n in buffer.get("evicted", {}).items() if r.startswith("filtered"))
-        self.log.say(
-            f"step {self.step:4d} v{self.version}  reward {record['batch_reward']:.3f}  "
-            f"rollout EM {record['rollout_exact_match']:.3f}  loss {metrics.get('policy_loss', float('nan')):+.4f}  "
-            f"{record['episodes_per_s']:.2f} ep/s  {record['gen_tokens_per_s']:.0f} tok/s  "
-            f"stale {metrics.get('staleness_mean', 0):.2f}/{metrics.get('staleness_max', 0):.0f}  "
-            f"buffer {buffer.get('size', 0)}  evicted {evicted}  filtered {filtered}  wait {wait_s:.1f}s"
-        )
+        self.log.say(self._step_line(record, metrics, t0))
         if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
             self.checkpoint()  # after the step's metrics line: a resume keeps exactly the lines up to here
+
+    def _step_line(self, record: dict, metrics: dict, t0: float) -> str:
+        total = self.cfg.learner.total_steps
+        elapsed = time.monotonic() - t0
+        done = max(1, self.step - (self.first_step or 0))
+        eta = elapsed / done * (total - self.step)
+        flat = record["learning"]["zero_variance_share"]
+        return (
+            f"step {self.step:>{len(str(total))}}/{total}  reward {record['batch_reward']:.2f}  "
+            f"rollout EM {record['rollout_exact_match']:.2f}  entropy {metrics.get('entropy', float('nan')):.3f}  "
+            f"equal-reward groups {'  -' if flat is None else f'{flat:3.0%}'}  "
+            f"stale {metrics.get('staleness_mean', 0):.1f}/{metrics.get('staleness_max', 0):.0f}  "
+            f"{record['episodes_per_s']:.0f} ep/s  wait {record['sample_wait_s']:.1f}s  eta {_duration(eta)}"
+        )
 
     def supervise(self) -> list[dict]:
         """Every rollout actor's stats; an actor that died (or stopped answering) is restarted, its in-flight
@@ -435,16 +586,16 @@ class Trainer:
         }
         if start:
             s["exact_match_start"] = start["all"]["exact_match"]
+            s["eval_start"] = _eval_brief(start)
         if end:
             s["exact_match_end"] = end["all"]["exact_match"]
-        self.log.say("[done] " + json.dumps(s))
+            s["eval_end"] = _eval_brief(end)
         return s
 
-    def plots(self) -> None:
+    def plots(self) -> list[Path]:
         from async_agent_rl.plots import plot_run
 
-        for p in plot_run(self.run_dir):
-            self.log.say(f"[plot] {p}")
+        return list(plot_run(self.run_dir))
 
 
 def train(cfg: Config, quiet: bool = False, resume: str | Path | None = None) -> dict:

@@ -264,6 +264,9 @@ class ReplayBuffer:
             return
         del self._pending[group.gid]
         if group.items:
+            rewards = [it.reward for it in group.items]
+            self.counters["groups_completed"] += 1  # the learning signal, filter or not: share with no spread
+            self.counters["groups_zero_variance"] += max(rewards) - min(rewards) <= self.config.zero_variance_tol
             if expected < self.group_size:
                 self.counters["groups_released_short"] += 1
             if not self._filtered(group):
@@ -422,6 +425,8 @@ class ReplayBuffer:
             "groups_released_short": self.counters["groups_released_short"],
             "groups_released_partial": self.counters["groups_released_partial"],
             "groups_overdue": self.counters["groups_overdue"],
+            "groups_completed": self.counters["groups_completed"],
+            "groups_zero_variance": self.counters["groups_zero_variance"],
             "evicted": dict(self.evicted),
             "evicted_total": sum(self.evicted.values()),
             "filtered_groups": dict(self.filtered_groups),

@@ -44,6 +44,26 @@ def lifetime_mean(histogram: str, by: str = "") -> str:
 Panel = tuple[str, str, list[tuple[str, str]]]  # (title, unit, [(expr, legend)])
 
 SECTIONS: list[tuple[str, list[Panel]]] = [
+    ("Learning", [
+        ("Held-out exact match (greedy)", "percentunit", [
+            ('aar_eval_exact_match{split="heldout"}', "{{source}}"),
+        ]),
+        ("Rollout exact match by question kind", "percentunit", [
+            ("aar_learning_rollout_exact_match", "{{kind}}"),
+        ]),
+        ("Groups with equal rewards (no signal)", "percentunit", [
+            ("aar_learning_zero_variance_share", "share of completed groups"),
+        ]),
+        ("Policy entropy (nats/token)", "short", [
+            ("aar_learner_entropy", "entropy"),
+        ]),
+        ("Searches per episode by question kind", "short", [
+            ("aar_learning_rollout_searches", "{{kind}}"),
+        ]),
+        ("Rollout reward by question kind", "short", [
+            ("aar_learning_rollout_reward", "{{kind}}"),
+        ]),
+    ]),
     ("Throughput", [
         ("Generated tokens/s", "short", [
             (rate("aar_rollout_generated_tokens_total"), "all actors"),

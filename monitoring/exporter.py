@@ -201,7 +201,7 @@ class RunMonitoring:
         self.registry = exporter.registry
         self.updaters = updaters
         self.rollout, self.buffer, self.learner = updaters["rollout"], updaters["buffer"], updaters["learner"]
-        self.driver, self.eval = updaters["driver"], updaters["eval"]
+        self.driver, self.eval, self.learning = updaters["driver"], updaters["eval"], updaters["learning"]
         self.sd_file = Path(sd_file) if sd_file else self.folder / "targets.json"
         self.config_file = self.folder / "prometheus.yml"
         self._targets: dict[str, list[str]] = {job: [exporter.target]}

@@ -235,6 +235,21 @@ DRIVER_LOST_EPISODES = _define(
 DRIVER_ACTOR_RESTARTS = _define(
     "driver", "aar_driver_actor_restarts_total", COUNTER, "rollout actor restarts", A)
 
+# ---------------------------------------------------------------------------------- learning signals (driver)
+LEARNING_ZERO_VARIANCE_SHARE = _define(
+    "driver", "aar_learning_zero_variance_share", GAUGE,
+    "share of the groups completed since the previous step whose rewards were all equal (no GRPO signal)")
+LEARNING_REWARD_BY_KIND = _define(
+    "driver", "aar_learning_rollout_reward", GAUGE,
+    "mean reward of the rollout episodes finished since the previous step, by question kind (data source)",
+    ("kind",))
+LEARNING_EXACT_MATCH_BY_KIND = _define(
+    "driver", "aar_learning_rollout_exact_match", GAUGE,
+    "mean exact match of the rollout episodes finished since the previous step, by question kind", ("kind",))
+LEARNING_SEARCHES_BY_KIND = _define(
+    "driver", "aar_learning_rollout_searches", GAUGE,
+    "searches per rollout episode finished since the previous step, by question kind", ("kind",))
+
 # --------------------------------------------------------------------------------------------------------- eval
 EVAL_LABELS = ("split", "source")
 EVAL_EXACT_MATCH = _define(
@@ -702,7 +717,27 @@ class EvalMetrics:
             self.step.set(float(step), split)
 
 
-UPDATERS = (RolloutMetrics, BufferMetrics, LearnerMetrics, DriverMetrics, EvalMetrics)
+class LearningMetrics:
+    """The driver's per-step learning signals (``Trainer``'s ``learning`` record): ``zero_variance_share`` and
+    ``by_kind`` ``{kind: {"reward", "exact_match", "searches"}}`` over the episodes finished since the last step."""
+
+    KIND_KEYS = {"reward": LEARNING_REWARD_BY_KIND, "exact_match": LEARNING_EXACT_MATCH_BY_KIND,
+                 "searches": LEARNING_SEARCHES_BY_KIND}
+
+    def __init__(self, registry: CollectorRegistry):
+        self.zero_variance = _gauges(registry, LEARNING_ZERO_VARIANCE_SHARE)
+        self.by_kind = {n: _gauges(registry, n) for n in self.KIND_KEYS.values()}
+
+    def update(self, m: Mapping[str, Any]) -> None:
+        if _num(m.get("zero_variance_share")) is not None:
+            self.zero_variance.set(float(m["zero_variance_share"]))
+        for kind, values in (m.get("by_kind") or {}).items():
+            for key, name in self.KIND_KEYS.items():
+                if _num(values.get(key)) is not None:
+                    self.by_kind[name].set(float(values[key]), str(kind))
+
+
+UPDATERS = (RolloutMetrics, BufferMetrics, LearnerMetrics, DriverMetrics, EvalMetrics, LearningMetrics)
 
 
 def register_all(registry: CollectorRegistry) -> dict[str, Any]:
@@ -713,6 +748,7 @@ def register_all(registry: CollectorRegistry) -> dict[str, Any]:
         "learner": LearnerMetrics(registry),
         "driver": DriverMetrics(registry),
         "eval": EvalMetrics(registry),
+        "learning": LearningMetrics(registry),
     }
 
 

@@ -477,9 +477,16 @@ _LISTENING = re.compile(r"retriever listening on (http://\S+)")
 class ServerProcess:
     """A ``retriever serve`` child process; ``url`` once it listens, ``stop()`` terminates it."""
 
-    def __init__(self, argv: list[str], timeout_s: float = 120.0):
+    def __init__(self, argv: list[str], timeout_s: float = 120.0, log_file: str | Path | None = None):
+        """``log_file``: the child's stderr (its log lines) goes there instead of this process' stderr."""
         self.argv = argv
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.log_file = Path(log_file) if log_file is not None else None
+        stderr = self.log_file.open("a") if self.log_file is not None else None
+        try:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        finally:
+            if stderr is not None:
+                stderr.close()  # the child holds its own copy
         lines: Queue[str | None] = Queue()
 
         def pump() -> None:  # keep draining stdout so the child never blocks on a full pipe
@@ -498,7 +505,10 @@ class ServerProcess:
                 raise TimeoutError(f"retrieval server did not start within {timeout_s} s: {' '.join(argv)}") from None
             if line is None:
                 code = self.proc.wait()
-                raise RuntimeError(f"retrieval server exited with code {code} before listening: {' '.join(argv)}")
+                tail = ""
+                if self.log_file is not None and self.log_file.is_file():
+                    tail = "; its log ends:\n" + "".join(self.log_file.read_text().splitlines(True)[-10:])
+                raise RuntimeError(f"retrieval server exited with code {code} before listening: {' '.join(argv)}{tail}")
             match = _LISTENING.search(line)
             if match:
                 self.url = match.group(1)
@@ -520,7 +530,8 @@ class ServerProcess:
         self.stop()
 
 
-def spawn_server(corpus: str | Path, config: RetrieverConfig | None = None, timeout_s: float = 120.0) -> ServerProcess:
+def spawn_server(corpus: str | Path, config: RetrieverConfig | None = None, timeout_s: float = 120.0,
+                 log_file: str | Path | None = None) -> ServerProcess:
     """Run ``python -m async_agent_rl.retriever serve`` for ``corpus`` with every setting of ``config``."""
     c = config if config is not None else RetrieverConfig()
     argv = [
@@ -535,4 +546,4 @@ def spawn_server(corpus: str | Path, config: RetrieverConfig | None = None, time
         argv += ["--index", c.index_dir]
     if c.dense_model is not None:
         argv += ["--dense-model", c.dense_model]
-    return ServerProcess(argv, timeout_s)
+    return ServerProcess(argv, timeout_s, log_file)

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.rollout_worker import WorkerStats
 from async_agent_rl.config import BufferConfig
+from async_agent_rl.train import LearningSignals
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.retriever import server as retriever_server
 from async_agent_rl.staleness import AdmissionState
@@ -90,6 +91,9 @@ def test_every_metric_is_fed_by_some_updater():
     u["driver"].update({"lost_episodes": 0, "actor_restarts": {"0": 0}})
     u["eval"].update({"all": {"n": 10, "exact_match": 0.5, "f1": 0.6, "searches_per_question": 1.2,
                               "turns_per_question": 2.0}}, split="heldout", step=0)
+    by_kind = {"world_single": {"finished": 2, "reward_sum": 1.0, "exact_match_sum": 1.0, "searches": 2}}
+    u["learning"].update(LearningSignals().update([{**s, "by_kind": by_kind}],
+                                                  {"groups_completed": 4, "groups_zero_variance": 3}, {}))
     text = generate_latest(reg).decode()
     samples = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     missing = [n for n in M.SPECS if not any(x == n or x.startswith(n + "_") for x in samples)]
@@ -339,7 +343,7 @@ def test_dashboard_queries_use_only_defined_metrics_and_cover_the_sections():
             assert n in known or base in known, f"{q}: unknown metric {n}"
         expand_grafana_vars(q)  # no variable the checker cannot expand
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert rows == ["Throughput", "Staleness", "Buffer", "Learner", "Reward and exact match", "Search", "Weight sync"]
+    assert rows == ["Learning", "Throughput", "Staleness", "Buffer", "Learner", "Reward and exact match", "Search", "Weight sync"]
     joined = "\n".join(queries)
     for needle in ("by (actor) (rate(aar_rollout_generated_tokens_total", "by (actor) (rate(aar_rollout_episodes_",
                    "histogram_quantile(0.9, sum by (le) (rate(aar_buffer_consumed_staleness_bucket",
