@@ -196,7 +196,8 @@ class AlgorithmConfig(_Section):
 
 
 class RewardTerm(_Section):
-    name: Literal["exact_match", "substring_match", "f1", "format", "tag_count", "retrieval_hit", "format_em"]
+    name: Literal["exact_match", "substring_match", "f1", "format", "tag_count", "retrieval_hit", "format_em",
+                  "search_r1_em"]
     weight: float = 1.0
 
 
