@@ -71,3 +71,17 @@ def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
     s = b.stats()
     assert s["evicted"]["stale"] == 3 and s["staleness_histogram"] == {0: 8}
     assert b.try_start(8, 1, "e", "actor0") == 8  # and the next version admits its two groups
+
+
+def test_a_late_push_of_a_lost_episode_is_dropped_and_never_hurts_another_actor():
+    """actor0 is declared dead while its last push is still on the way; the push arrives after ``actor_lost``.
+    It must not take actor1's running slot: actor1's own push then goes through."""
+    b = make()
+    assert b.try_start(2, 0, "a0-g", "actor0") == 2 and b.try_start(2, 0, "a1-g", "actor1") == 2
+    assert b.actor_lost("actor0") == 2
+    late = b.push_many([traj("a0-g", 0), traj("a1-g", 0), traj("a0-g", 1)])
+    assert late.accepted == 3 and not late.full
+    b.push_many([traj("a1-g", 1)])  # before: AdmissionError, 3 pushed but 2 running
+    s = b.stats()
+    assert s["late_pushes"] == 2 and s["pushed"] == 2 and s["admission"]["running"] == 0
+    assert ids(b.sample(2, 0)) == ["a1-g/0", "a1-g/1"]
