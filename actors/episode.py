@@ -13,7 +13,11 @@ The loop, per turn (Search-R1 semantics, REFERENCE.md sections 1-2)::
 
 The episode always ends on a model-generated token: an observation is appended only when another model turn
 follows it and at least ``min_turn_tokens`` of budget and context remain for that turn. A failed search becomes
-an error observation (masked, counted in ``meta.num_search_errors``), never an exception.
+an error observation (masked, counted in ``meta.num_search_errors``), never an exception. An episode with no
+model token at all raises ``EmptyEpisodeError`` (the learner cannot train on it).
+
+Rewards score the model's own turns (``rewards.scoring_text``: observations are opaque blocks) and
+``retrieval_hit`` credits only the search results that were appended, as the model read them (truncated).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.prompts import prompt_ids, render_question_prompt
 from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.retriever.render import INFORMATION_CLOSE, INFORMATION_OPEN, render_information, truncate_observation
-from async_agent_rl.rewards import compute_rewards
+from async_agent_rl.rewards import compute_rewards, scoring_text
 
 _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
@@ -42,6 +46,11 @@ INVALID_ACTION_OBSERVATION = (
 
 class PromptTooLongError(ValueError):
     """The chat-templated prompt exceeds ``data.max_prompt_length``; the worker counts the episode as failed."""
+
+
+class EmptyEpisodeError(ValueError):
+    """The episode has no model-generated token (no context left for a first turn, or the engine aborted before
+    its first token): there is nothing to train on; the worker counts the episode as failed, never pushes it."""
 
 
 def parse_action(text: str) -> tuple[str | None, str]:
@@ -134,8 +143,7 @@ class EpisodeRunner:
         logps: list[float] = []
         versions: list[int] = []
         turns: list[TurnSpan] = []
-        texts: list[str] = []  # the response as text, piece by piece (model turns and observations)
-        retrieved: list[str] = []
+        pieces: list[tuple[str, str]] = []  # the response as text: ("model" | "search_results" | "observation", text)
         searches = errors = 0
         finish = "max_turns"
 
@@ -162,7 +170,7 @@ class EpisodeRunner:
                 mask += [1] * len(out.token_ids)
                 logps += out.logprobs
                 versions += out.versions
-                texts.append(out.text)
+                pieces.append(("model", out.text))
             if out.finish_reason == "abort":
                 finish = "aborted"
                 break
@@ -173,14 +181,15 @@ class EpisodeRunner:
             if turn == s.max_turns - 1:
                 finish = "max_turns"
                 break
+            obs_kind = "observation"
             if action == "search":
                 searches += 1
                 try:
                     hits = await self.search.search(arg)
-                    retrieved += [h.contents for h in hits]
                     obs_ids = truncate_observation(
                         self._encode(render_information(hits)), s.max_obs_length, self._closing_ids
                     )
+                    obs_kind = "search_results"
                 except SearchError as e:
                     errors += 1
                     obs_ids = self._encode(search_error_observation(e))
@@ -199,14 +208,18 @@ class EpisodeRunner:
             mask += [0] * len(obs_ids)
             logps += [0.0] * len(obs_ids)
             versions += [OBS_VERSION] * len(obs_ids)
-            texts.append(self.tokenizer.decode(obs_ids, skip_special_tokens=True))
+            pieces.append((obs_kind, self.tokenizer.decode(obs_ids, skip_special_tokens=True)))
 
         if turns and turns[-1].kind == "observation":  # only after an aborted turn: end on a model token
             cut = turns.pop().start
             del resp[cut:], mask[cut:], logps[cut:], versions[cut:]
-            texts.pop()
-        response_text = "".join(texts)
-        reward, parts = compute_rewards(s.reward_terms, response_text, ex.gold_answers, retrieved_texts=retrieved)
+            pieces.pop()
+        if not turns:
+            raise EmptyEpisodeError(f"question {ex.id}: no model token was generated (finish: {finish}; prompt "
+                                    f"{len(prompt)} tokens, model.max_model_len {s.max_model_len})")
+        # rewards read the model's own words; retrieval credit only for passages the model saw (as it saw them)
+        seen = [text for kind, text in pieces if kind == "search_results"]
+        reward, parts = compute_rewards(s.reward_terms, scoring_text(pieces), ex.gold_answers, retrieved_texts=seen)
         meta = EpisodeMeta(
             data_source=ex.data_source,
             question_id=ex.id,

@@ -20,7 +20,7 @@ from actors.search_client import SearchClient
 from async_agent_rl.config import Config
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.records import Trajectory
-from async_agent_rl.rewards import exact_match, f1
+from async_agent_rl.rewards import exact_match, f1, scoring_text
 
 
 @contextlib.contextmanager
@@ -76,11 +76,18 @@ async def run_greedy(runner: EpisodeRunner, examples: Sequence[QAExample], concu
     return list(await asyncio.gather(*(one(ex) for ex in examples)))
 
 
+def model_text(traj: Trajectory, tokenizer) -> str:
+    """The response as the rewards read it (``rewards.scoring_text``): the model's turns, observations opaque."""
+    return scoring_text((t.kind, tokenizer.decode(traj.response_ids[t.start : t.end], skip_special_tokens=True))
+                        for t in traj.turns)
+
+
 def score_episodes(trajs: Iterable[Trajectory], tokenizer) -> dict:
-    """Exact match, F1, searches per question, turns and finish reasons, overall and per data source."""
+    """Exact match, F1, searches per question, turns and finish reasons, overall and per data source; answers are
+    read from the model's own turns only (``model_text``)."""
     rows: dict[str, list[dict]] = {}
     for t in trajs:
-        text = tokenizer.decode(t.response_ids, skip_special_tokens=True)
+        text = model_text(t, tokenizer)
         row = {
             "em": exact_match(text, t.meta.gold_answers),
             "f1": f1(text, t.meta.gold_answers),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -139,8 +139,8 @@ class RolloutConfig(_Section):
     max_response_length: int = Field(512, ge=1, description="total response budget: model turns + observations")
     max_obs_length: int = Field(256, ge=8, description="observation tokens per search, closing tag kept")
     temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_p: float = Field(1.0, gt=0, le=1, description="only 1.0: the learner recomputes log-probs unfiltered")
+    top_k: int = Field(-1, ge=-1, description="only -1: the learner recomputes log-probs unfiltered")
     weight_update_mode: Literal["pause", "inflight"] = "pause"
     push_batch_size: int = Field(8, ge=1, description="trajectories per push to the buffer")
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU")
@@ -149,10 +149,21 @@ class RolloutConfig(_Section):
     multiprocess_engine: bool = Field(False, description="vLLM V1 multiprocessing (extra EngineCore process)")
     seed: int = 0
 
+    @field_validator("top_p", "top_k")
+    @classmethod
+    def _unfiltered(cls, value: float, info: Any) -> float:
+        # behavior log-probs would be of the filtered distribution, the learner's of the full one: every importance
+        # weight would be off by the kept probability mass
+        if value != cls.model_fields[info.field_name].default:
+            raise ValueError(f"only {cls.model_fields[info.field_name].default} is supported: the learner recomputes "
+                             "log-probs without a nucleus / top-k filter")
+        return value
+
 
 # ---------------------------------------------------------------------------------------------------------- buffer
 class BufferConfig(_Section):
-    max_staleness: int = Field(2, ge=0, description="eta: max learner_version - min token version; 0 = on-policy")
+    max_staleness: int = Field(2, ge=0, description="eta: max learner_version - min token version, in published "
+                               "policy versions (weight_sync.every_steps learner steps each); 0 = on-policy")
     capacity_trajectories: int = Field(4096, ge=1)
     capacity_tokens: int = Field(8_000_000, ge=1)
     sampling: Literal["fifo", "priority"] = "fifo"
@@ -196,7 +207,8 @@ class AlgorithmConfig(_Section):
 
 
 class RewardTerm(_Section):
-    name: Literal["exact_match", "substring_match", "f1", "format", "tag_count", "retrieval_hit", "format_em"]
+    name: Literal["exact_match", "substring_match", "f1", "format", "tag_count", "retrieval_hit", "format_em",
+                  "search_r1_em"]
     weight: float = 1.0
 
 
@@ -240,7 +252,16 @@ class LearnerConfig(_Section):
 
 class WeightSyncConfig(_Section):
     every_steps: int = Field(1, ge=1, description="publish weights (bump the version) every k learner steps")
-    method: Literal["object_store", "nccl"] = "object_store"
+    method: Literal["object_store", "nccl"] = Field(
+        "object_store", description="nccl is not wired into the rollout engine yet: refused")
+
+    @field_validator("method")
+    @classmethod
+    def _wired(cls, value: str) -> str:
+        if value == "nccl":
+            raise ValueError("nccl is not wired yet (learner/weight_sync.py's NCCLPublisher has no engine side); "
+                             "use object_store")
+        return value
 
 
 class SFTConfig(_Section):
@@ -322,6 +343,18 @@ class Config(_Section):
             raise ValueError(
                 f"learner.batch_size ({self.learner.batch_size}) must be a multiple of rollout.group_size "
                 f"({self.rollout.group_size}): the buffer hands out whole GRPO groups"
+            )
+        if self.data.max_prompt_length >= self.model.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_length ({self.data.max_prompt_length}) must be below model.max_model_len "
+                f"({self.model.max_model_len}): a prompt that fills the context leaves no token to generate"
+            )
+        if self.buffer.max_staleness == 0 and self.weight_sync.every_steps > 1:
+            raise ValueError(
+                f"buffer.max_staleness=0 with weight_sync.every_steps={self.weight_sync.every_steps}: staleness "
+                "counts published versions, so the learner would train up to "
+                f"{self.weight_sync.every_steps - 1} steps off-policy while reporting 0; use every_steps=1 for "
+                "on-policy training"
             )
         if self.buffer.group_filter != "none" and self.rollout.group_size < 2:
             raise ValueError(

@@ -52,7 +52,7 @@ from async_agent_rl.prompts import prompt_ids, render_question_prompt
 from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.retriever.backends import Hit, SearchBackend
 from async_agent_rl.retriever.render import INFORMATION_CLOSE, render_information, truncate_observation
-from async_agent_rl.rewards import compute_rewards, exact_match
+from async_agent_rl.rewards import compute_rewards, exact_match, scoring_text
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +201,8 @@ class DemoExpert:
             text = (SEARCH_TURN if i == 0 else BRIDGE_TURN).format(query=query)
             b.model_turn(self._encode(text), text)
             hits = self.search(query)
-            retrieved += [h.contents for h in hits]
             obs_ids, obs_text = self._observation(query, hits)
+            retrieved.append(obs_text)  # what the model sees of the passages, as for rollouts
             # what the next turn needs must be readable in the observation the model actually sees
             needed = queries[i + 1] if i + 1 < len(queries) else answer
             if needed not in obs_text:
@@ -212,7 +212,7 @@ class DemoExpert:
         text = ANSWER_TURN.format(answer=answer)
         ids = self._encode(text)
         b.model_turn(ids, text)
-        response_text = "".join(b.texts)
+        response_text = scoring_text(zip((t.kind for t in b.turns), b.texts))
         if exact_match(self.tokenizer.decode(ids, skip_special_tokens=True), ex.gold_answers) != 1.0:
             raise DemoError(ex.id, "answer_roundtrip", f"{answer!r} does not survive tokenization")
         reward, parts = compute_rewards(self._reward_terms, response_text, ex.gold_answers, retrieved_texts=retrieved)

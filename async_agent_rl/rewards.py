@@ -11,6 +11,14 @@ Semantics follow Search-R1's ``qa_em.py`` (REFERENCE.md section 1):
 - Token F1: SQuAD-style bag-of-tokens F1 against the best gold answer.
 - Format: partial credit for a well-formed think/search/information/answer sequence (see ``format_score``).
 
+- ``search_r1_em``: Search-R1's own format-aware score, exactly (see the function; ``format_em`` differs).
+
+What the rewards read: ``scoring_text(pieces)``, the response as the model wrote it, with every observation
+replaced by one empty ``<information></information>`` block. Observations are the environment's words: an answer
+tag inside one (the invalid-action observation itself names ``<answer> and </answer>``; a retrieved passage may
+hold any tag) is never the model's answer, and a format check sees one opaque observation block in its place.
+Training rewards (``actors.episode``) and evaluation (``actors.stack.score_episodes``) both score this view.
+
 Each function has the uniform signature ``fn(response_text, gold_answers, **context) -> float`` and is registered
 by name in ``REWARD_FUNCTIONS`` so a config can list weighted terms.
 """
@@ -27,6 +35,15 @@ _PUNCT = set(string.punctuation)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 _TAGS = ("think", "search", "information", "answer")
+
+
+OBSERVATION_BLOCK = "<information></information>"
+
+
+def scoring_text(pieces: Iterable[tuple[str, str]]) -> str:
+    """``(kind, text)`` pieces of a response, in order (kind ``"model"`` or ``"observation"``) -> the text the
+    rewards read: model turns verbatim, each observation as ``OBSERVATION_BLOCK``."""
+    return "".join(text if kind == "model" else OBSERVATION_BLOCK for kind, text in pieces)
 
 
 def normalize_answer(s: str) -> str:
@@ -114,13 +131,62 @@ def format_em(
     format_bonus: float = 0.2,
     **_: object,
 ) -> float:
-    """Search-R1's format-aware variant: 1 for a correct answer in a well-formed episode; ``1 - format_bonus`` for a
-    correct answer with bad format; ``format_bonus`` for a wrong answer with good format; 0 otherwise."""
+    """A format-aware score after Search-R1 (its exact scoring is ``search_r1_em``): 1 for a correct answer in a
+    well-formed episode (``is_valid_format``); ``1 - format_bonus`` for a correct answer with bad format;
+    ``format_bonus`` for a wrong answer with good format; 0 otherwise."""
     em = exact_match(response_text, gold_answers)
     ok = is_valid_format(response_text)
     if em:
         return 1.0 if ok else 1.0 - format_bonus
     return format_bonus if ok else 0.0
+
+
+def is_search_r1_sequence(response_text: str) -> bool:
+    """Search-R1 v0.3's ``is_valid_sequence`` on the response: every tag balanced, and the tags in the order
+    ``<think>..</think>`` then any number of ``<search>..</search><information>..</information><think>..</think>``
+    then ``<answer>..</answer>``, with nothing but whitespace between tags (``<think>`` is required)."""
+    if any(response_text.count(f"<{t}>") != response_text.count(f"</{t}>") for t in _TAGS):
+        return False
+    moves = {("start", "<think>"): "in_think", ("information", "<think>"): "in_think",
+             ("in_think", "</think>"): "after_think", ("after_think", "<search>"): "in_search",
+             ("in_search", "</search>"): "after_search", ("after_search", "<information>"): "in_information",
+             ("in_information", "</information>"): "information", ("after_think", "<answer>"): "in_answer",
+             ("in_answer", "</answer>"): "end"}  # fmt: skip
+    state = "start"
+    for part in re.split(r"(</?(?:think|search|information|answer)>)", response_text):
+        if not part.strip():
+            continue
+        if re.fullmatch(r"</?(?:think|search|information|answer)>", part):
+            state = moves.get((state, part), "")
+            if not state:
+                return False
+        elif not state.startswith("in_"):  # text outside a block
+            return False
+    return state == "end"
+
+
+def search_r1_em(
+    response_text: str,
+    gold_answers: Sequence[str],
+    *,
+    structure_format_score: float = 0.2,
+    final_format_score: float = 0.1,
+    **_: object,
+) -> float:
+    """Search-R1's format-aware exact match (``qa_em_format.compute_score_em`` with their scripts' settings, its
+    retrieval score 0): valid sequence (``is_search_r1_sequence``) and correct -> 1; invalid and correct ->
+    ``1 - structure_format_score``; valid and wrong -> ``structure_format_score``; invalid and wrong ->
+    ``final_format_score``; no answer (never valid) -> 0.
+
+    Differences from ``format_em``: wrong answer with bad format scores ``final_format_score`` (0.1) here, 0 there;
+    ``<think>`` is required before every search and answer here, optional there; text between blocks is invalid
+    here, allowed there."""
+    valid = is_search_r1_sequence(response_text)  # a valid sequence ends with an answer
+    if extract_answer(response_text) is None:
+        return 0.0
+    if exact_match(response_text, gold_answers):
+        return 1.0 if valid else 1.0 - structure_format_score
+    return structure_format_score if valid else final_format_score
 
 
 def tag_count(response_text: str, gold_answers: Sequence[str], **_: object) -> float:
@@ -145,7 +211,8 @@ def retrieval_hit(
     retrieved_texts: Iterable[str] = (),
     **_: object,
 ) -> float:
-    """1.0 when a normalized gold answer appears in any retrieved passage of the episode."""
+    """1.0 when a normalized gold answer appears in any retrieved text the model saw (``retrieved_texts``: the
+    search observations appended to the episode, as the model read them)."""
     golds = [normalize_answer(g) for g in gold_answers if normalize_answer(g)]
     for text in retrieved_texts:
         t = f" {normalize_answer(text)} "
@@ -161,6 +228,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "f1": f1,
     "format": format_score,
     "format_em": format_em,
+    "search_r1_em": search_r1_em,
     "tag_count": tag_count,
     "retrieval_hit": retrieval_hit,
 }

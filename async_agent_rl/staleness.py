@@ -28,6 +28,14 @@ total, which is exactly the admission bound, so every trajectory started at ``v`
 
 Episodes finish out of order in practice, so a straggler can still be overtaken and go stale; the replay buffer
 evicts (and counts) those at sampling time, which is why an eviction gives its admission slot back here.
+
+Whole groups. Grants come in whole GRPO groups (``granule``), and a group that lost a member (rejected, its actor
+died) frees less than a group. Rounding that room down would stop an eta = 0 run for good: the version's groups
+then hold ``B - 1`` rows, nothing is stale, nothing is freed. So the staleness room is rounded UP to a whole group
+(a replacement group at the same version; the concurrency cap is still rounded down): admission then runs at most
+``granule - 1`` episodes over the bound, and whatever that overshoot makes stale (at eta = 0: the short group, once
+the batch was filled from whole groups) is evicted and counted by the buffer. No consumed trajectory ever has
+staleness above eta.
 """
 
 from __future__ import annotations
@@ -117,10 +125,15 @@ class AdmissionState:
 
     def try_start(self, n: int, version: int) -> int:
         """Ask to start ``n`` episodes with weights of ``version``; returns how many may start (a multiple of
-        ``granule``, possibly 0: wait for the learner to move on). The grant counts as running at once."""
+        ``granule``, possibly 0: wait for the learner to move on), the staleness room rounded up to a whole group
+        (module docstring). The grant counts as running at once."""
         if n < 1:
             raise AdmissionError(f"try_start needs n >= 1, got {n}")
-        granted = min(n, self.capacity(version)) // self.granule * self.granule
+        g = self.granule
+        by_staleness = (self.max_staleness + version + 1) * self.batch_size - (self.live + self.running)
+        if by_staleness <= 0:
+            return 0
+        granted = max(0, min(n // g, (self.max_concurrent - self.running) // g, -(-by_staleness // g))) * g
         self.started += granted
         return granted
 

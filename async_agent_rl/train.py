@@ -417,7 +417,9 @@ class Trainer:
 
     def supervise(self) -> list[dict]:
         """Every rollout actor's stats; an actor that died (or stopped answering) is restarted, its in-flight
-        episodes counted lost, and it gets the current weights before it runs again."""
+        episodes counted lost, and it gets the current weights before it runs again. One that stopped answering
+        may still be alive: it is killed first (Ray restarts it), so ``setup()`` never builds a second engine in a live
+        incarnation and it generates nothing more; a push it sent before dying is dropped by the buffer as late."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -430,6 +432,8 @@ class Trainer:
                 problem = type(e).__name__
             if problem:
                 self.log.say(f"[fault] rollout actor {i}: {problem}; restarting it")
+                if problem == "GetTimeoutError":  # silent, perhaps only slow: stop this incarnation first
+                    ray.kill(actor, no_restart=False)
                 self._restart_actor(i)
                 stats = ray.get(actor.stats.remote())
             out.append(stats)

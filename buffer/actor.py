@@ -9,6 +9,10 @@ Protocol for a rollout actor (every call carries a batch; an actor round trip co
 3. ``reject(group_ids)`` for episodes thrown away (one group id per episode), so the slot is freed and the group
    does not wait for them.
 
+A push of an episode that was already counted lost (``actor_lost``: its actor was declared dead, perhaps while
+its last push was still on the way) is dropped and counted in ``stats()["late_pushes"]``: it was rejected once, and
+taking it now would spend another actor's running slot (and raise ``AdmissionError`` in that actor's push).
+
 The learner calls ``sample(batch_size, version)`` (wire bytes) or ``sample_batch(...)`` (a packed ``TrainBatch``).
 Create the actor with ``create_buffer_actor(cfg)``: its resources come from ``cluster.buffer_cpus``.
 """
@@ -51,6 +55,8 @@ class BufferActor:
         # dies its in-flight episodes are counted lost (``actor_lost``) so admission slots and groups never leak
         self._inflight: dict[str, list] = {}  # group_id -> [actor_id, episodes in flight]
         self._lost: dict[str, int] = {}
+        self._lost_groups: set[str] = set()  # groups with episodes counted lost: later pushes of them are late
+        self._late_pushes = 0
         self._pushing = False
         self._evicted_in_push = 0
 
@@ -71,6 +77,18 @@ class BufferActor:
         return granted
 
     def push_many(self, blobs: Sequence[bytes]) -> PushResult:
+        """Store ``blobs`` (``PushResult`` over this list: the first ``accepted`` are handled); late ones (module
+        docstring) are dropped and counted."""
+        late = {i for i, b in enumerate(blobs) if peek_group_id(b) in self._lost_groups} if self._lost_groups else ()
+        if not late:
+            return self._push(blobs)
+        kept = [i for i in range(len(blobs)) if i not in late]
+        result = self._push([blobs[i] for i in kept])
+        handled = len(blobs) if result.accepted == len(kept) else kept[result.accepted]
+        self._late_pushes += sum(1 for i in late if i < handled)  # a late one resent after a refusal counts once
+        return PushResult(handled, result.full)
+
+    def _push(self, blobs: Sequence[bytes]) -> PushResult:
         if len(blobs) > self.admission.running:
             raise AdmissionError(
                 f"push of {len(blobs)} trajectories but only {self.admission.running} episodes were started "
@@ -108,6 +126,7 @@ class BufferActor:
         lost = [gid for gid, (actor, k) in self._inflight.items() if actor == actor_id for _ in range(k)]
         if lost:
             self.reject(lost)
+            self._lost_groups.update(lost)
         self._lost[actor_id] = self._lost.get(actor_id, 0) + len(lost)
         return len(lost)
 
@@ -131,7 +150,8 @@ class BufferActor:
 
     # ---------------------------------------------------------------------------------------- monitoring, disk
     def stats(self) -> dict[str, Any]:
-        return {**self.buffer.stats(), "admission": self.admission.counters(), "lost_episodes": dict(self._lost)}
+        return {**self.buffer.stats(), "admission": self.admission.counters(), "lost_episodes": dict(self._lost),
+                "late_pushes": self._late_pushes}
 
     def _path(self, path: Optional[str]) -> Path:
         if path is not None:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from learner.learner import require_finite
+
 if TYPE_CHECKING:
     from learner.learner import Learner
 
@@ -76,6 +78,7 @@ def save_policy(learner: "Learner", directory: str | Path) -> Path:
 
     directory = Path(directory)
     state = {name: t.detach().to("cpu", copy=True) for name, t in learner.full_parameters()}
+    require_finite(learner.step, "parameters", iter(state.items()))  # never save a diverged policy
     if learner.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         learner.policy.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)

@@ -38,6 +38,11 @@ Temperature: ``rollout.temperature``; 0 (greedy rollouts) is taken as 1.
 Policy version: ``version`` counts published updates (``bump_version``); the staleness of a trajectory at
 consumption is ``version - min(token versions)``.
 
+Finite training: a step whose policy loss or gradient norm (critic's too) is not finite raises
+``NonFiniteError`` naming the step and the quantities, and so does publishing or saving a policy with a non-finite
+parameter. The run stops there; nothing non-finite is published or saved, so the last checkpoint on disk is the
+last good policy.
+
 Metrics of ``train_step`` (floats, this rank's rows; losses are the mini-batch aggregates averaged over updates):
 
 =====================  =================================================================================
@@ -95,6 +100,20 @@ from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config, LearnerConfig
 
 MAX_METRICS = ("iw_max",)  # reduced by max over micro-batches; every other metric by a unit-weighted mean
+
+
+class NonFiniteError(FloatingPointError):
+    """Training produced a non-finite loss, gradient norm or parameter: the run must stop, nothing is saved."""
+
+
+def require_finite(step: int, what: str, values: Iterator[tuple[str, Any]]) -> None:
+    """Raise ``NonFiniteError`` naming learner ``step`` and every ``(name, value)`` (number, tensor or array) that
+    is not finite."""
+    bad = [name for name, v in values if not bool(torch.isfinite(torch.as_tensor(v)).all())]
+    if bad:
+        raise NonFiniteError(f"learner step {step}: non-finite {what}: {', '.join(bad[:5])}"
+                             f"{' ...' if len(bad) > 5 else ''}; training stopped, nothing of this step was published "
+                             "or saved (the last checkpoint is the last good policy)")
 
 
 def free_port() -> int:
@@ -398,7 +417,10 @@ class Learner:
             for mini in self._mini_batches(w, epoch):
                 self._train_mini_batch(w, mini, targets, metrics)
         self.step += 1
-        return self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0)
+        out = self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0)
+        checked = ("policy_loss", "grad_norm", "value_loss", "critic_grad_norm")
+        require_finite(self.step, "loss or gradient norm", ((k, out[k]) for k in checked if k in out))
+        return out
 
     def _targets(self, w: _Window) -> _Targets:
         """The no-grad passes over this rank's rows (proximal, reference, critic), then advantages over all rows."""
@@ -557,4 +579,6 @@ class Learner:
         numpy arrays as they are; an engine running in bf16 rounds them back to the same values. This costs twice
         the bytes of a bf16 transfer. Under ZeRO-3 this gathers (call on every rank).
         """
-        return {name: t.detach().to("cpu", torch.float32, copy=True).numpy() for name, t in self.full_parameters()}
+        state = {name: t.detach().to("cpu", torch.float32, copy=True).numpy() for name, t in self.full_parameters()}
+        require_finite(self.step, "parameters", iter(state.items()))
+        return state

@@ -4,6 +4,7 @@ log-probs against a transformers recomputation, per-token versions across an in-
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import pytest_asyncio
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.engine import HFEngine, TurnRequest, VLLMEngine
+from actors.engine import HFEngine, TurnRequest, VLLMEngine, WeightsError
 from actors.episode import EpisodeRunner, EpisodeSettings
 from actors.search_client import SearchClient
 from async_agent_rl.config import load_config
@@ -82,17 +83,21 @@ async def test_episodes_on_vllm_line_up_and_logprobs_match_transformers(engine, 
     assert sum(t.num_generated_tokens for t in trajs) > 0
 
 
-async def test_inflight_update_labels_later_tokens_and_changes_generation(engine, hf):
-    model, _ = hf
+def weights_of(model) -> tuple[dict, dict]:
     original = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
-    perturbed = {k: v * 1.5 + 0.01 for k, v in original.items()}
+    return original, {k: v * 1.5 + 0.01 for k, v in original.items()}
+
+
+async def test_paused_update_labels_later_tokens_and_changes_generation(engine, hf):
+    model, _ = hf
+    original, perturbed = weights_of(model)
     req = TurnRequest(prompt_ids=[5, 6, 7, 8], max_tokens=300, temperature=0.0, stop=())
     reference = await engine.generate(req)
     v0 = engine.version
 
     task = asyncio.create_task(engine.generate(req))
     await asyncio.sleep(0.3)
-    await engine.update_weights(v0 + 1, perturbed, mode="inflight")
+    await engine.update_weights(v0 + 1, perturbed, mode="pause")
     out = await task
     versions = np.array(out.versions)
     switch = int(np.argmax(versions == v0 + 1))
@@ -104,6 +109,51 @@ async def test_inflight_update_labels_later_tokens_and_changes_generation(engine
     await engine.update_weights(v0 + 2, original, mode="pause")  # back to the old weights, paused reload
     again = await engine.generate(req)
     assert again.token_ids == reference.token_ids and set(again.versions) == {v0 + 2}
+
+
+async def test_inflight_update_never_serves_old_weight_kv(engine, hf):
+    """A request running across an in-flight update keeps its old-weight KV, so all its tokens are labelled with
+    the version it started at; a NEW request with the same long prompt must not get that KV from the prefix cache:
+    its log-probs are the new weights' own (transformers recomputation)."""
+    model, _ = hf
+    original, perturbed = weights_of(model)
+    # sharper output distributions make the new weights' log-probs depend clearly on which KV they read
+    perturbed = {k: v * 8 if "embed" in k or "lm_head" in k else v for k, v in perturbed.items()}
+    prompt = [5 + i % 1500 for i in range(600)]  # long enough to fill many prefix-cache blocks
+    v0 = engine.version
+    await engine.generate(TurnRequest(prompt_ids=prompt, max_tokens=4, stop=()))  # the prompt's KV at v0
+    running = asyncio.create_task(engine.generate(TurnRequest(prompt_ids=prompt, max_tokens=300, stop=())))
+    await asyncio.sleep(0.3)
+    await engine.update_weights(v0 + 1, perturbed, mode="inflight")
+    fresh = await engine.generate(TurnRequest(prompt_ids=prompt, max_tokens=16, stop=()))
+    old = await running
+    new_model = copy.deepcopy(model)
+    new_model.load_state_dict({k: torch.from_numpy(v) for k, v in perturbed.items()})
+    ids = torch.tensor([prompt + fresh.token_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(new_model(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+    ref = lp[len(prompt) - 1 :].numpy()
+    assert np.max(np.abs(ref - np.array(fresh.logprobs))) < 1e-3
+    assert set(fresh.versions) == {v0 + 1}
+    assert set(old.versions) == {v0}, "tokens that depend on old-weight KV keep the old version"
+
+    await engine.update_weights(v0 + 2, original, mode="pause")
+
+
+async def test_incomplete_or_misshaped_weights_are_refused_and_nothing_changes(engine, hf):
+    model, _ = hf
+    original, _ = weights_of(model)
+    req = TurnRequest(prompt_ids=[5, 6, 7, 8], max_tokens=16, temperature=0.0, stop=())
+    before, v = await engine.generate(req), engine.version
+    doubled = {k: x * 2 for k, x in original.items()}
+    missing = {k: x for k, x in doubled.items() if ".layers.1." not in k}
+    misshaped = {**doubled, "model.norm.weight": doubled["model.norm.weight"][:-1]}
+    for bad, problem in ((missing, "missing"), (misshaped, "shape")):
+        with pytest.raises(WeightsError, match=problem):
+            await engine.update_weights(v + 1, bad, mode="pause")
+        assert engine.version == v
+    after = await engine.generate(req)
+    assert after.token_ids == before.token_ids and set(after.versions) == {v}
 
 
 async def test_transformers_engine_runs_the_same_workflow(tiny_model_dir, server, cfg, questions):

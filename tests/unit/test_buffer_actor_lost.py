@@ -2,7 +2,7 @@
 
 from async_agent_rl.config import BufferConfig
 from buffer.actor import BufferActor
-from tests.unit.test_replay_buffer import traj
+from tests.unit.test_replay_buffer import ids, traj
 
 
 def make() -> BufferActor:
@@ -51,3 +51,37 @@ def test_filtered_groups_free_their_admission_slots_and_batches_stay_full():
     s = b.stats()
     assert s["evicted"]["filtered_zero_variance"] == 2 and s["admission"]["evicted"] == 2
     assert s["admission"]["running"] == 0
+
+
+def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
+    """eta = 0, groups of 4, batches of 8: one rejected episode leaves the version's groups one row short. The slot
+    it frees is granted as a whole replacement group at the same version, so the learner gets a full batch of
+    version-0 rows; the short group goes stale at version 1 and is evicted, never consumed."""
+    b = BufferActor(BufferConfig(max_staleness=0), group_size=4, consumed_per_version=8, max_concurrent=64)
+    assert b.try_start(4, 0, "a", "actor0") == 4 and b.try_start(4, 0, "b", "actor0") == 4
+    b.push_many([traj("a", i) for i in range(4)] + [traj("b", i) for i in range(3)])
+    b.reject(["b"])
+    assert b.sample(8, 0) is None  # 4 + 3 rows of version 0
+    assert b.try_start(4, 0, "c", "actor0") == 4  # the replacement
+    assert b.try_start(4, 0, "d", "actor0") == 0  # the bound still binds
+    b.push_many([traj("c", i) for i in range(4)])
+    batch = b.sample(8, 0)
+    assert batch is not None and sorted(ids(batch)) == sorted([f"a/{i}" for i in range(4)] + [f"c/{i}" for i in range(4)])
+    assert b.sample(8, 1) is None  # version 1: the short group of version 0 is stale
+    s = b.stats()
+    assert s["evicted"]["stale"] == 3 and s["staleness_histogram"] == {0: 8}
+    assert b.try_start(8, 1, "e", "actor0") == 8  # and the next version admits its two groups
+
+
+def test_a_late_push_of_a_lost_episode_is_dropped_and_never_hurts_another_actor():
+    """actor0 is declared dead while its last push is still on the way; the push arrives after ``actor_lost``.
+    It must not take actor1's running slot: actor1's own push then goes through."""
+    b = make()
+    assert b.try_start(2, 0, "a0-g", "actor0") == 2 and b.try_start(2, 0, "a1-g", "actor1") == 2
+    assert b.actor_lost("actor0") == 2
+    late = b.push_many([traj("a0-g", 0), traj("a1-g", 0), traj("a0-g", 1)])
+    assert late.accepted == 3 and not late.full
+    b.push_many([traj("a1-g", 1)])  # before: AdmissionError, 3 pushed but 2 running
+    s = b.stats()
+    assert s["late_pushes"] == 2 and s["pushed"] == 2 and s["admission"]["running"] == 0
+    assert ids(b.sample(2, 0)) == ["a1-g/0", "a1-g/1"]

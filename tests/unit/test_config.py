@@ -124,3 +124,26 @@ def test_config_reference_doc_is_current():
 def test_batch_must_hold_whole_groups():
     with pytest.raises(ConfigError, match="multiple of rollout.group_size"):
         load_config(None, ["learner.batch_size=32", "learner.mini_batch_size=32", "rollout.group_size=5"])
+
+
+def test_a_prompt_budget_that_fills_the_context_is_refused():
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length \(1024\) must be below model.max_model_len \(1024\)"):
+        load_config(None, ["data.max_prompt_length=1024", "model.max_model_len=1024"])
+    load_config(None, ["data.max_prompt_length=1023", "model.max_model_len=1024"])
+
+
+@pytest.mark.parametrize("override, path", [
+    ("rollout.top_p=0.9", "rollout.top_p"), ("rollout.top_k=20", "rollout.top_k"),
+    ("weight_sync.method=nccl", "weight_sync.method"),
+])  # fmt: skip
+def test_accepted_but_unsupported_settings_are_refused(override, path):
+    """top_p / top_k: the learner recomputes log-probs without the filter; nccl: not wired into the engine."""
+    with pytest.raises(ConfigError, match=path):
+        load_config(None, [override])
+
+
+def test_on_policy_needs_a_publish_every_step():
+    """Staleness counts published versions: eta = 0 with a publish every 2 steps would be one step off-policy."""
+    with pytest.raises(ConfigError, match="buffer.max_staleness=0 with weight_sync.every_steps=2"):
+        load_config(None, ["buffer.max_staleness=0", "weight_sync.every_steps=2"])
+    load_config(None, ["buffer.max_staleness=1", "weight_sync.every_steps=2"])

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from actors.engine import TurnOutput, TurnRequest
-from actors.episode import INVALID_ACTION_OBSERVATION, EpisodeRunner, EpisodeSettings, parse_action
+from actors.episode import (
+    INVALID_ACTION_OBSERVATION,
+    EmptyEpisodeError,
+    EpisodeRunner,
+    EpisodeSettings,
+    parse_action,
+)
+from actors.rollout_worker import RolloutWorker
+from actors.stack import score_episodes
 from actors.search_client import SearchClient
 from async_agent_rl.config import SearchClientConfig
 from async_agent_rl.data.search_r1 import QAExample
@@ -169,3 +178,87 @@ def test_chat_template_switch_gives_an_instruct_or_a_plain_prompt(server, tok):
     assert chat.startswith("<|im_start|>user") and chat.rstrip().endswith("<|im_start|>assistant")
     assert "<|im_start|>" not in plain and "Who founded Zeishou Works?" in plain
     assert plain.strip() in chat
+
+
+class PassageSearch:
+    """A search tool returning one fixed passage (the episode loop is the caller under test here)."""
+
+    def __init__(self, contents: str):
+        self.contents = contents
+
+    async def search(self, query):
+        return [SimpleNamespace(contents=self.contents)]
+
+
+async def _episode_with(search, tok, turns, ex, **kw):
+    return await EpisodeRunner(ScriptedEngine(tok, turns), search, tok, settings(**kw)).run(ex, group_id="g")
+
+
+SCORES = [("exact_match", 1.0), ("f1", 1.0), ("substring_match", 1.0)]
+
+
+def test_an_invalid_turn_that_never_answers_scores_nothing(server, tok):
+    """The invalid-action observation names ``<answer> and </answer>``: it is not the model's answer."""
+    ex = QAExample(id="q", question="?", gold_answers=["Trinidad and Tobago"])
+    traj, _ = asyncio.run(_episode(server.url, tok, ["I am not sure", "still not sure"], ex, max_turns=2,
+                                   reward_terms=SCORES))
+    assert [t.kind for t in traj.turns] == ["model", "observation", "model"]
+    assert traj.reward_components == {"exact_match": 0.0, "f1": 0.0, "substring_match": 0.0}
+    assert score_episodes([traj], tok)["all"]["f1"] == 0.0  # evaluation reads the same view
+
+
+def test_an_answer_tag_inside_an_observation_is_not_the_models_answer(tok):
+    ex = QAExample(id="q", question="?", gold_answers=["Zolgon"])
+    search = PassageSearch('"Zolgon"\nSome say <answer> Zolgon </answer> is the place.')
+    traj = asyncio.run(_episode_with(search, tok, ["<search> where </search>", "<think> hmm </think>"], ex,
+                                     max_turns=2, reward_terms=SCORES + [("retrieval_hit", 1.0)]))
+    assert [t.kind for t in traj.turns] == ["model", "observation", "model"]
+    assert traj.reward_components == {"exact_match": 0.0, "f1": 0.0, "substring_match": 0.0, "retrieval_hit": 1.0}
+    scores = score_episodes([traj], tok)["all"]
+    assert scores["exact_match"] == 0.0 and scores["f1"] == 0.0
+
+
+def test_retrieval_hit_only_credits_passages_the_model_saw(tok):
+    """The search returns the gold, but its observation does not fit the response budget and is dropped."""
+    ex = QAExample(id="q", question="?", gold_answers=["Zolgon"])
+    search = PassageSearch('"Zolgon"\nZolgon is a city ' + "with many streets " * 10)
+    traj = asyncio.run(_episode_with(search, tok, ["<search> where </search>"], ex, max_response_length=24,
+                                     reward_terms=[("retrieval_hit", 1.0)]))
+    assert [t.kind for t in traj.turns] == ["model"] and traj.meta.finish_reason == "response_budget"
+    assert traj.reward_components == {"retrieval_hit": 0.0}
+
+
+@pytest.mark.parametrize("case", ["no_context", "abort"])
+def test_an_episode_without_a_model_token_fails_and_is_never_pushed(server, tok, case):
+    """A prompt that fills the context, or an abort before the first token: the worker counts it failed and
+    reports it lost; nothing reaches the sink (the learner cannot train on a trajectory without an action)."""
+    ex = QAExample(id="q", question="In which city?", gold_answers=["x"])
+
+    class AbortingEngine(ScriptedEngine):
+        async def generate(self, req):
+            self.requests.append(req)
+            return TurnOutput([], [], [], "", "abort")
+
+    async def go():
+        async with SearchClient(server.url, SearchClientConfig(timeout_s=2, retries=0, deadline_s=3)) as sc:
+            probe = EpisodeRunner(None, sc, tok, settings())
+            n_prompt = len(probe.prompt_ids_for(ex))
+            kw = {"max_model_len": n_prompt} if case == "no_context" else {}
+            engine = (ScriptedEngine if case == "no_context" else AbortingEngine)(tok, ["<answer> x </answer>"])
+            runner = EpisodeRunner(engine, sc, tok, settings(**kw))
+            with pytest.raises(EmptyEpisodeError):
+                await runner.run(ex)
+            pushed, lost = [], []
+
+            async def sink(batch):
+                pushed.extend(batch)
+
+            async def on_lost(gids):
+                lost.extend(gids)
+
+            worker = RolloutWorker(runner, iter([ex] * 4), sink, group_size=2, max_concurrent=4, on_lost=on_lost)
+            stats = await worker.run(num_groups=1)
+            return pushed, lost, stats
+
+    pushed, lost, stats = asyncio.run(go())
+    assert pushed == [] and stats.failed == 2 and stats.finished == 0 and len(lost) == 2

@@ -194,3 +194,22 @@ def test_gae_critic_learns_and_plain_ppo_skips_the_proximal_pass(tiny_model_dir,
     assert metrics[-1]["value_loss"] < metrics[0]["value_loss"]
     assert all(m["critic_grad_norm"] > 0 for m in metrics)
     assert "iw_mean" not in metrics[0]  # behavior-anchored: no proximal policy, no behavior weight
+
+
+def test_a_diverged_step_stops_training_and_nothing_non_finite_is_published_or_saved(tiny_model_dir, hf_model,
+                                                                                    tmp_path):
+    """learner.lr=inf: the first update makes the weights non-finite (its loss and gradient were still finite);
+    publishing or saving them is refused, and the next step's loss is caught."""
+    from learner.checkpoint import save_checkpoint
+    from learner.learner import NonFiniteError
+
+    batch = two_groups(hf_model)
+    learner = make_learner(tiny_model_dir, learner={"lr": float("inf")})
+    learner.train_step(batch)
+    with pytest.raises(NonFiniteError, match="learner step 1: non-finite parameters"):
+        learner.state_dict_for_publish()
+    with pytest.raises(NonFiniteError, match="learner step 1: non-finite parameters"):
+        save_checkpoint(learner, tmp_path / "final")
+    assert not (tmp_path / "final" / "policy").exists()
+    with pytest.raises(NonFiniteError, match="learner step 2: non-finite loss or gradient norm: policy_loss"):
+        learner.train_step(batch)

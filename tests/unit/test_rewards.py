@@ -11,6 +11,8 @@ from async_agent_rl.rewards import (
     get_reward_fn,
     normalize_answer,
     retrieval_hit,
+    scoring_text,
+    search_r1_em,
     substring_match,
     tag_count,
 )
@@ -76,6 +78,31 @@ def test_format_em_partial_credit():
     assert format_em(GOOD, ["Other"]) == pytest.approx(0.2)
     assert format_em("<search> q </search><answer> Zolgon </answer>", ["Zolgon"]) == pytest.approx(0.8)
     assert format_em("nothing", ["Zolgon"]) == 0.0
+
+
+def test_search_r1_em_is_search_r1s_scoring():
+    assert search_r1_em(GOOD, ["Zolgon"]) == 1.0
+    assert search_r1_em(GOOD, ["Other"]) == pytest.approx(0.2)  # valid, wrong
+    no_think = "<search> q </search>\n<information>x</information>\n<answer> Zolgon </answer>"
+    assert search_r1_em(no_think, ["Zolgon"]) == pytest.approx(0.8)  # <think> is required there
+    assert format_em(no_think, ["Zolgon"]) == 1.0  # ... and optional in format_em
+    bad = "<search> q </search><answer> Other </answer>"
+    assert search_r1_em(bad, ["Zolgon"]) == pytest.approx(0.1)  # invalid, wrong: final_format_score
+    assert format_em(bad, ["Zolgon"]) == 0.0
+    chatty = "<think> a </think> so: <answer> Zolgon </answer>"  # text between blocks
+    assert search_r1_em(chatty, ["Zolgon"]) == pytest.approx(0.8) and format_em(chatty, ["Zolgon"]) == 1.0
+    assert search_r1_em(GOOD + " bye", ["Zolgon"]) == pytest.approx(0.8)  # text after the answer
+    assert search_r1_em("<think> x </think>", ["Zolgon"]) == 0.0  # no answer
+    assert search_r1_em("nothing", ["Zolgon"]) == 0.0
+
+
+def test_scoring_text_keeps_the_models_words_and_blanks_observations():
+    pieces = [("model", "<think> a </think><search> q </search>"),
+              ("search_results", "\n\n<information><answer> Zolgon </answer></information>\n\n"),
+              ("model", "<think> b </think>")]  # fmt: skip
+    text = scoring_text(pieces)
+    assert text == "<think> a </think><search> q </search><information></information><think> b </think>"
+    assert extract_answer(text) is None
 
 
 def test_tag_count_and_retrieval_hit():

@@ -52,10 +52,11 @@ def test_admission_state_grants_whole_groups_and_frees_slots_on_reject_and_evict
     st_.on_finished(3, accepted=True)
     st_.on_finished(1, accepted=False)  # a rejected episode frees its slot
     assert st_.running == 4 and st_.live == 3
-    assert st_.try_start(5, version=0) == 0  # capacity 1, below one group of 2
-    st_.on_evicted(1)  # an evicted one too
+    assert st_.try_start(5, version=0) == 2  # room 1: rounded up to one whole (replacement) group
+    assert st_.try_start(5, version=0) == 0  # one over the bound now
+    st_.on_evicted(3)  # evicted ones free their slots too
     assert st_.try_start(5, version=0) == 2
-    assert st_.counters() == {"started": 10, "accepted": 3, "rejected": 1, "evicted": 1, "running": 6}
+    assert st_.counters() == {"started": 12, "accepted": 3, "rejected": 1, "evicted": 3, "running": 8}
 
 
 def test_admission_concurrency_cap():

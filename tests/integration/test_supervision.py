@@ -1,0 +1,78 @@
+"""The driver's supervision on real Ray: a rollout actor that stops answering (slow, not dead) is killed and
+restarted by Ray before it is set up again, never set up a second time while it still runs; its in-flight episodes
+are counted lost and a push it sends late is dropped, not charged to another actor."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from async_agent_rl.config import load_config
+from async_agent_rl.train import Trainer
+from buffer.actor import create_buffer_actor
+from tests.unit.test_replay_buffer import traj
+
+pytestmark = pytest.mark.integration
+
+
+class SlowFirstIncarnation:
+    """Rollout actor stand-in with the driver-facing methods. Its first incarnation stops answering ``stats()``
+    (busy for a minute); Ray's restart runs ``__init__`` again in a new process, which answers."""
+
+    def __init__(self, index: int, marker: str):
+        self.index, self.setups, self.started = index, 0, False
+        self.first = not Path(marker).exists()
+        Path(marker).touch()
+
+    def setup(self) -> dict:
+        self.setups += 1
+        return {"index": self.index, "pid": os.getpid()}
+
+    def start(self) -> None:
+        self.started = True
+
+    def update_weights(self, version, weights) -> dict:
+        return {"version": version}
+
+    def stats(self) -> dict:
+        if self.first and self.setups:
+            time.sleep(60)
+        return {"index": self.index, "ready": self.setups > 0, "pid": os.getpid(), "setups": self.setups,
+                "started": self.started}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_a_slow_actor_is_killed_before_it_is_set_up_again(tmp_path):
+    cfg = load_config(None, ["cluster.actor_timeout_s=3", "rollout.group_size=2", "learner.batch_size=4",
+                             "learner.mini_batch_size=4", "learner.micro_batch_size=4", "buffer.max_staleness=0"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
+    trainer.mon = None
+    trainer.buffer = create_buffer_actor(cfg)
+    actor_cls = ray.remote(num_cpus=0, max_restarts=1)(SlowFirstIncarnation)
+    trainer.actors = [actor_cls.remote(0, str(tmp_path / "incarnated"))]
+    slow = trainer.actors[0]
+    first_pid = ray.get(slow.setup.remote())["pid"]
+    assert ray.get(trainer.buffer.try_start.remote(2, 0, "actor0-g", "actor0")) == 2
+    assert ray.get(trainer.buffer.try_start.remote(2, 0, "actor1-g", "actor1")) == 2
+
+    stats = trainer.supervise()[0]
+    assert stats["setups"] == 1 and stats["started"], "the new incarnation is set up once and running"
+    assert trainer.restarts == {"actor0": 1} and trainer.lost_episodes == 2
+    assert stats["pid"] != first_pid, "a new process, not the slow one"
+    # a push the dead incarnation sent late is dropped; the other actor's pushes are unaffected
+    ray.get(trainer.buffer.push_many.remote([traj("actor0-g", 0)]))
+    ray.get(trainer.buffer.push_many.remote([traj("actor1-g", 0), traj("actor1-g", 1)]))
+    b = ray.get(trainer.buffer.stats.remote())
+    assert b["late_pushes"] == 1 and b["admission"]["running"] == 0 and b["lost_episodes"] == {"actor0": 2}
