@@ -370,7 +370,11 @@ def run_sft(
             )
         pretrain_seconds = time.perf_counter() - t_pre
 
-        frozen = entity_token_ids(tokenizer, titles) if freeze_entity_embeddings else []
+        frozen = []
+        if freeze_entity_embeddings:
+            everything = getattr(s, "freeze_embeddings", "names") == "all"
+            frozen = list(range(model.get_input_embeddings().weight.shape[0])) if everything else \
+                entity_token_ids(tokenizer, titles)
         if frozen:
             freeze_embedding_rows(model, frozen)
         plan = epoch_batches([d.total_length for d in demos], s.batch_size, s.epochs, s.seed)
