@@ -498,12 +498,13 @@ def _kind_numbers(scores: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def seed_row(seed: int, rl: ArmRun, sft: ArmRun) -> dict[str, Any]:
-    """One seed's line of the learning report, from the RL run's ``eval.jsonl`` (first record: the warm start; last:
-    RL's end) and the SFT-only arm's scores."""
+    """One seed's line of the learning report, from the RL run's ``eval.jsonl`` (its ``start`` evaluation: the warm
+    start; its ``end`` one: after RL) and the SFT-only arm's scores."""
     from async_agent_rl.plots import read_jsonl
 
     evals = read_jsonl(rl.run_dir / "eval.jsonl")
-    start, end, other = (_kind_numbers(e) for e in (evals[0], evals[-1], sft.result["scores"]))
+    when = {e["when"]: e for e in evals}
+    start, end, other = (_kind_numbers(e) for e in (when["start"], when["end"], sft.result["scores"]))
     kinds = {}
     for k in start:
         if k in end and k in other:
@@ -725,9 +726,10 @@ def cmd_learning(args: argparse.Namespace) -> int:
         print(f"error: --seeds needs distinct values >= 0, got {args.seeds!r}", file=sys.stderr)
         return 2
     out = Path(args.out or "runs/bench/learning")
-    if not load_config(args.config, args.overrides).sft.enabled:  # a bad config fails here, before any run
-        print("error: bench learning compares RL with more SFT from one warm start: it needs sft.enabled=true",
-              file=sys.stderr)
+    cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any run
+    if not (cfg.sft.enabled and cfg.eval.at_start and cfg.eval.at_end):
+        print("error: bench learning compares RL with more SFT from one warm start, evaluated before and after: it "
+              "needs sft.enabled, eval.at_start and eval.at_end true", file=sys.stderr)
         return 2
     arms = learning_arms(seeds, out)
     rl_runs = run_arms(args.config, list(args.overrides), arms, out, args.steps, args.eval_every, args.force,

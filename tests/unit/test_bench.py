@@ -76,7 +76,8 @@ def learning_folders(tmp_path, seed, curve, sft_scores, train_s=40.0):
     rl_dir.mkdir()
     sft_dir.mkdir()
     (rl_dir / "eval.jsonl").write_text("".join(
-        json.dumps({"step": step, "when": "x", **scores(*ems)}) + "\n" for step, ems in curve))
+        json.dumps({"step": step, "when": "start" if i == 0 else "end" if i == len(curve) - 1 else f"step {step}",
+                    **scores(*ems)}) + "\n" for i, (step, ems) in enumerate(curve)))
     (sft_dir / "scores.json").write_text(json.dumps({"checkpoint": str(sft_dir), "scores": scores(*sft_scores)}))
     (sft_dir / CONTINUE_SUMMARY_FILE).write_text(json.dumps(
         {"steps": 7, "rounds": 1, "seconds": train_s + 0.5, "budget_s": train_s, "demo_s": 3.0, "final_loss": 1.0}))
