@@ -17,6 +17,12 @@ again (``--force`` reruns), so a report can be extended study by study.
 Output, in ``--out`` (default ``runs/bench/<kind>``): ``report.md`` (the table, the plots, the commands),
 ``report.json`` (the same numbers), ``<study>.png`` (held-out exact match, reward, response length and searches
 per episode over training, one line per arm), one run folder and one log per arm.
+
+``bench learning`` repeats one RL arm per seed, each on a world of its own (``OUT/worlds/seed_<s>``: world, tiny
+model, warm start and training seeds all from the seed), and gives each an SFT-only arm: the same warm start
+trained further by SFT for RL's training time (``bench continue-sft``, ``learner.sft.continue_sft``), then
+``async-agent-rl eval`` on the same held-out questions. Its report has one table per kind of question with the mean
+and standard error over seeds, ``learning_curves.png`` and ``learning_bars.png``.
 """
 
 from __future__ import annotations
