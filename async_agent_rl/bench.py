@@ -3,6 +3,7 @@
     async-agent-rl bench staleness --config configs/quickstart.yaml --etas 0,1,2,4,8 [--steps N] [overrides]
     async-agent-rl bench ablations --config configs/quickstart.yaml [--studies masking,estimator,topk,group_size]
     async-agent-rl bench sync      --config configs/quickstart.yaml      # asynchronous against synchronous RL
+    async-agent-rl bench learning  --config configs/quickstart.yaml --seeds 0,1,2   # RL against more SFT, per world
 
 Every arm is a real ``async-agent-rl train`` in a child process (its own local Ray), run one after the other so
 they do not share the machine, with the arm's overrides on top of the config and the command line's. Arms start
@@ -16,6 +17,12 @@ again (``--force`` reruns), so a report can be extended study by study.
 Output, in ``--out`` (default ``runs/bench/<kind>``): ``report.md`` (the table, the plots, the commands),
 ``report.json`` (the same numbers), ``<study>.png`` (held-out exact match, reward, response length and searches
 per episode over training, one line per arm), one run folder and one log per arm.
+
+``bench learning`` repeats one RL arm per seed, each on a world of its own (``OUT/worlds/seed_<s>``: world, tiny
+model, warm start and training seeds all from the seed), and gives each an SFT-only arm: the same warm start
+trained further by SFT for RL's training time (``bench continue-sft``, ``learner.sft.continue_sft``), then
+``async-agent-rl eval`` on the same held-out questions. Its report has one table per kind of question with the mean
+and standard error over seeds, ``learning_curves.png`` and ``learning_bars.png``.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ class ArmRun:
     reused: bool = False
     error: str = ""
     result: dict[str, Any] = field(default_factory=dict)
+    warm_start: Path | None = None
 
 
 def _cli() -> list[str]:
@@ -162,7 +170,7 @@ def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, 
                 ws = shared
             arm_overrides += [f"model.path={ws}", "sft.enabled=false"]
         arm_overrides += [*common, f"run.name={arm.name}"]
-        run = ArmRun(arm, out / arm.name, arm_overrides)
+        run = ArmRun(arm, out / arm.name, arm_overrides, warm_start=ws if base.sft.enabled else None)
         runs.append(run)
         try:
             cfg = load_config(config, arm_overrides)
@@ -188,12 +196,13 @@ def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, 
     return runs
 
 
-def _finished_with(run_dir: Path, cfg: Config) -> bool:
+def _finished_with(run_dir: Path, cfg: Config, config_file: str = "config.yaml",
+                   done_file: str = "summary.json") -> bool:
     import yaml
 
     try:
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-        return (run_dir / "summary.json").is_file() and saved == cfg.to_dict()
+        saved = yaml.safe_load((run_dir / config_file).read_text())
+        return (run_dir / done_file).is_file() and saved == cfg.to_dict()
     except (OSError, ValueError):
         return False
 
@@ -410,6 +419,257 @@ def sync_summary(runs: Sequence[ArmRun]) -> tuple[str, dict[str, Any]]:
     return text, d
 
 
+# -------------------------------------------------------------------------------------------------------- learning
+KINDS = {"all": "all questions", "world_single": "single-hop", "world_bridge": "bridge (two-hop)"}
+SEED_KEYS = ("model.init.seed", "sft.seed", "data.seed", "rollout.seed", "learner.seed")
+
+
+def seed_overrides(seed: int, world: Path) -> tuple[str, ...]:
+    """One seed of the learning bench: its own world (``data.world.seed=seed``, generated into ``world``), its own
+    tiny model (the BPE tokenizer is trained on that world's corpus) and its own training seeds."""
+    return (
+        f"data.world.seed={seed}", f"data.world_dir={world}", "data.make_world_if_missing=true",
+        f"data.train_files={json.dumps([str(world / 'train.parquet')])}",
+        f"data.test_files={json.dumps([str(world / 'test.parquet')])}", f"data.corpus_file={world / 'corpus.jsonl'}",
+        f"model.path={world / 'model'}", "model.build_if_missing=true", *(f"{key}={seed}" for key in SEED_KEYS),
+    )  # fmt: skip
+
+
+def learning_arms(seeds: Sequence[int], out: Path) -> list[Arm]:
+    """One RL arm per seed; each makes its own warm start (its world differs)."""
+    return [Arm("learning", f"seed{s}-rl", f"seed {s}", seed_overrides(s, out / "worlds" / f"seed_{s}"),
+                own_warm_start=True) for s in seeds]  # fmt: skip
+
+
+def run_sft_only(config: str, rl: ArmRun, out: Path, force: bool = False, say=print) -> ArmRun:
+    """The SFT-only arm of one seed: from the RL arm's own warm start, more SFT for as long as RL trained
+    (``rl.result['train_s']``: the RL loop without its evaluations), in a child ``bench continue-sft``; then the
+    held-out questions of RL's evaluations, greedy, in a child ``eval`` (``scores.json``). Reruns skip a finished
+    one made with the same config, warm start and budget."""
+    arm = Arm("learning", rl.arm.name.removesuffix("-rl") + "-sft", f"{rl.arm.label} SFT-only", rl.arm.overrides)
+    run = ArmRun(arm, out / arm.name, rl.overrides, warm_start=rl.warm_start)
+    cfg = load_config(config, rl.overrides)
+    budget = rl.result["train_s"]
+    log_file = out / f"{arm.name}.log"
+    if not force and _finished_with(run.run_dir, cfg, "sft_config.yaml", "scores.json") and _same_budget(run, budget):
+        run.reused = True
+        say(f"[{arm.name}] finished run present in {run.run_dir}: reused")
+    else:
+        say(f"[{arm.name}] SFT for {budget:.0f} s from {rl.warm_start} -> {run.run_dir}")
+        _clear(run.run_dir)
+        limit = ["--limit", str(cfg.eval.num_questions)] if cfg.eval.num_questions else []
+        steps = [
+            ("continue-sft", [*_cli(), "bench", "continue-sft", "--config", config, "--warm-start", str(rl.warm_start),
+                              "--seconds", repr(budget), "--out", str(run.run_dir), *rl.overrides]),
+            ("eval", [*_cli(), "eval", "--config", config, "--checkpoint", str(run.run_dir),
+                      "--out", str(run.run_dir / "scores.json"), *limit, *rl.overrides]),
+        ]  # fmt: skip
+        for name, cmd in steps:
+            rc, s = _run(cmd, log_file)
+            run.seconds += s
+            if rc != 0:
+                run.error = f"{name} exited with {rc}; log {log_file}"
+                say(f"[{arm.name}] {run.error}\n{_tail(log_file)}")
+                return run
+    run.result = sft_only_result(run.run_dir)
+    say(f"[{arm.name}] held-out EM {run.result['scores']['all']['exact_match']:.3f} after "
+        f"{run.result['steps']} SFT steps ({run.result['sft_s']:.0f} s)")
+    return run
+
+
+def _same_budget(run: ArmRun, budget: float) -> bool:
+    from learner.sft import CONTINUE_SUMMARY_FILE
+
+    try:
+        done = json.loads((run.run_dir / CONTINUE_SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return done.get("budget_s") == budget and done.get("warm_start") == str(run.warm_start)
+
+
+def sft_only_result(run_dir: Path) -> dict[str, Any]:
+    """The SFT-only arm's numbers from its folder: the continuation's summary and the evaluation's scores."""
+    from learner.sft import CONTINUE_SUMMARY_FILE
+
+    done = json.loads((run_dir / CONTINUE_SUMMARY_FILE).read_text())
+    return {"steps": done["steps"], "rounds": done["rounds"], "sft_s": done["seconds"], "budget_s": done["budget_s"],
+            "demo_s": done["demo_s"], "final_loss": done["final_loss"],
+            "scores": json.loads((run_dir / "scores.json").read_text())["scores"]}
+
+
+def _kind_numbers(scores: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Exact match and searches per question of each kind of question present in one evaluation."""
+    return {k: {"em": scores[k]["exact_match"], "searches": scores[k]["searches_per_question"], "n": scores[k]["n"]}
+            for k in KINDS if k in scores}
+
+
+def seed_row(seed: int, rl: ArmRun, sft: ArmRun) -> dict[str, Any]:
+    """One seed's line of the learning report, from the RL run's ``eval.jsonl`` (its ``start`` evaluation: the warm
+    start; its ``end`` one: after RL) and the SFT-only arm's scores."""
+    from async_agent_rl.plots import read_jsonl
+
+    evals = read_jsonl(rl.run_dir / "eval.jsonl")
+    when = {e["when"]: e for e in evals}
+    start, end, other = (_kind_numbers(e) for e in (when["start"], when["end"], sft.result["scores"]))
+    kinds = {}
+    for k in start:
+        if k in end and k in other:
+            x = {"n": start[k]["n"], "em_start": start[k]["em"], "em_rl": end[k]["em"], "em_sft": other[k]["em"],
+                 "searches_start": start[k]["searches"], "searches_rl": end[k]["searches"],
+                 "searches_sft": other[k]["searches"]}  # fmt: skip
+            kinds[k] = {**x, "gain_rl": x["em_rl"] - x["em_start"], "gain_sft": x["em_sft"] - x["em_start"],
+                        "rl_minus_sft": x["em_rl"] - x["em_sft"]}  # fmt: skip
+    curve = [{"step": e["step"], **{k: e[k]["exact_match"] for k in KINDS if k in e}} for e in evals]
+    return {"seed": seed, "rl_s": rl.result["train_s"], "rl_steps": rl.result["steps"], "sft_s": sft.result["sft_s"],
+            "sft_steps": sft.result["steps"], "warm_start": str(rl.warm_start), "kinds": kinds, "curve": curve}
+
+
+def mean_se(xs: Sequence[float]) -> dict[str, float]:
+    """Mean and standard error (sample standard deviation / sqrt(n); NaN for fewer than two values)."""
+    import statistics
+
+    xs = list(xs)
+    se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
+    return {"mean": _mean(xs), "se": se, "n": len(xs)}
+
+
+def learning_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and standard error over seeds of every number of the seed rows, per kind of question."""
+    out: dict[str, Any] = {key: mean_se([r[key] for r in rows]) for key in ("rl_s", "rl_steps", "sft_s", "sft_steps")}
+    out["kinds"] = {}
+    for k in KINDS:
+        have = [r["kinds"][k] for r in rows if k in r["kinds"]]
+        if have:
+            out["kinds"][k] = {key: mean_se([h[key] for h in have]) for key in have[0]}
+    return out
+
+
+LEARNING_COLUMNS = [
+    ("EM warm start", "em_start"), ("EM RL", "em_rl"), ("RL gain", "gain_rl"), ("EM SFT-only", "em_sft"),
+    ("SFT gain", "gain_sft"), ("RL - SFT-only", "rl_minus_sft"), ("searches/q warm start", "searches_start"),
+    ("searches/q RL", "searches_rl"), ("searches/q SFT-only", "searches_sft"),
+]
+TIME_COLUMNS = [("RL s", "rl_s"), ("RL steps", "rl_steps"), ("SFT-only s", "sft_s"), ("SFT-only steps", "sft_steps")]
+
+
+def _pm(m: dict[str, float], fmt: str) -> str:
+    se = "n/a" if m["se"] != m["se"] else fmt.replace("+", "").format(m["se"])
+    return f"{fmt.format(m['mean'])} ± {se}"
+
+
+def learning_table(rows: Sequence[dict[str, Any]], summary: dict[str, Any], kind: str) -> str:
+    """One kind's table: a line per seed and the mean ± s.e. over seeds; the ``all`` table has the times too."""
+    cols = LEARNING_COLUMNS + (TIME_COLUMNS if kind == "all" else [])
+    fmts = {key: "{:+.3f}" if key.startswith(("gain", "rl_minus")) else "{:.2f}" if key.startswith("searches")
+            else "{:.0f}" if key in dict(TIME_COLUMNS).values() else "{:.3f}" for _, key in cols}  # fmt: skip
+    head = ["seed", "n", *(c[0] for c in cols)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if kind in r["kinds"]:
+            x = {**r, **r["kinds"][kind]}
+            cells = [str(r["seed"]), str(x["n"]), *(fmts[k].format(x[k]) for _, k in cols)]
+            lines.append("| " + " | ".join(cells) + " |")
+    m = {**summary, **summary["kinds"].get(kind, {})}
+    if kind in summary["kinds"]:
+        lines.append("| " + " | ".join(["**mean ± s.e.**", "", *(_pm(m[k], fmts[k]) for _, k in cols)]) + " |")
+    return "\n".join(lines)
+
+
+def plot_learning(rows: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """Held-out EM over RL steps, one line per seed and one panel per kind of question; the warm start (step 0)
+    as a square, the SFT-only arm (same time) as a star at RL's last step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(14, 4), sharey=True)
+    for ax, (kind, title) in zip(axes, KINDS.items()):
+        for i, r in enumerate(rows):
+            if kind not in r["kinds"]:
+                continue
+            color = f"C{i % 10}"
+            pts = [(c["step"], c[kind]) for c in r["curve"] if kind in c]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"seed {r['seed']} RL")
+            ax.plot(pts[0][0], r["kinds"][kind]["em_start"], "s", color=color, markersize=9)
+            ax.plot(pts[-1][0], r["kinds"][kind]["em_sft"], "*", color=color, markersize=14)
+        ax.set_title(f"held-out EM (greedy): {title}")
+        ax.set_xlabel("RL learner step")
+        ax.set_ylim(-0.02, 1.02)
+    handles, _ = axes[0].get_legend_handles_labels()
+    handles += [Line2D([], [], marker="s", ls="", color="gray", label="warm start"),
+                Line2D([], [], marker="*", ls="", color="gray", markersize=12, label="SFT-only, same time")]
+    axes[0].legend(handles=handles, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_learning_bars(summary: dict[str, Any], path: Path) -> Path | None:
+    """Mean ± s.e. over seeds of held-out EM by arm, per kind of question."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in KINDS if k in summary["kinds"]]
+    if not kinds:
+        return None
+    arms = [("warm start", "em_start"), ("RL", "em_rl"), ("SFT-only (same time)", "em_sft")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(arms)
+    for j, (label, key) in enumerate(arms):
+        ms = [summary["kinds"][k][key] for k in kinds]
+        ax.bar([i + (j - 1) * width for i in range(len(kinds))], [m["mean"] for m in ms], width,
+               yerr=[0 if m["se"] != m["se"] else m["se"] for m in ms], capsize=4, label=label)
+    ax.set_xticks(range(len(kinds)), [KINDS[k] for k in kinds])
+    ax.set_ylabel("held-out exact match")
+    ax.set_title(f"mean ± s.e. over {summary['rl_s']['n']} seeds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write_learning_report(rows: Sequence[dict[str, Any]], runs: Sequence[ArmRun], out: Path, command: str) -> Path:
+    """``report.json`` (seed rows, summary, every arm) and ``report.md`` (tables, plots, command) in ``out``."""
+    summary = learning_summary(rows) if rows else {}
+    arms = {r.arm.name: {"arm": asdict(r.arm), "overrides": r.overrides, "run_dir": str(r.run_dir),
+                         "warm_start": str(r.warm_start), "seconds": r.seconds, "reused": r.reused, "error": r.error,
+                         **r.result} for r in runs}  # fmt: skip
+    numbers = {"seeds": list(rows), "summary": summary, "arms": arms}
+    (out / "report.json").write_text(json.dumps(numbers, indent=1) + "\n")
+    lines = ["# bench learning", "", "Command:", "", f"    {command}", "",
+             f"Does RL learn, on several worlds, and is it worth it against more SFT for the same time? Per seed: "
+             f"a world of its own (`data.world.seed`), its own tiny model and tokenizer, its own training seeds "
+             f"({', '.join(f'`{k}`' for k in SEED_KEYS)}) and its own SFT warm start. The RL arm trains from the "
+             f"warm start (`async-agent-rl train`); the SFT-only arm continues the warm start's SFT on fresh "
+             f"demonstrations for as long as RL trained (RL s: the RL loop without its evaluations; warm start "
+             f"excluded) and is evaluated by `async-agent-rl eval`. Every EM is greedy on the same held-out "
+             f"questions (subjects never seen in training); the warm start's is RL's evaluation at step 0. "
+             f"Gains are against the warm start; `RL - SFT-only` is the paired difference. ± is the standard error "
+             f"over seeds (sample std / sqrt(n)). Arms ran one after the other on {os.cpu_count()} cores.", ""]
+    failed = [r for r in runs if r.error]
+    if failed:
+        lines += ["Failed arms (their seed is left out): " + "; ".join(f"`{r.arm.name}`: {r.error}" for r in failed),
+                  ""]
+    for kind, title in KINDS.items():
+        if summary and kind in summary["kinds"]:
+            lines += [f"## {title}", "", learning_table(rows, summary, kind), ""]
+    for png in (plot_learning(rows, out / "learning_curves.png"),
+                plot_learning_bars(summary, out / "learning_bars.png") if summary else None):
+        if png is not None:
+            lines += [f"![{png.stem}]({png.name})", ""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
 # ------------------------------------------------------------------------------------------------------------- CLI
 def cmd_bench(args: argparse.Namespace) -> int:
     kind = args.kind
@@ -436,7 +696,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         arms = sync_arms(args.eta)
     base = load_config(args.config, args.overrides)  # a bad config fails here, before any run
-    command = " ".join(["async-agent-rl", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else str(args)
+    command = _command(args)
     runs = run_arms(args.config, list(args.overrides), arms, out, args.steps, args.eval_every, args.force,
                     warm_starts=Path(args.warm_starts) if args.warm_starts else None)
     extra = ""
@@ -457,6 +717,61 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(args: argparse.Namespace) -> str:
+    return " ".join(["async-agent-rl", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else str(args)
+
+
+def cmd_learning(args: argparse.Namespace) -> int:
+    """RL against more SFT for the same time, one world per seed (see ``run_sft_only`` and ``seed_overrides``)."""
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        print(f"error: --seeds must be comma-separated integers, not {args.seeds!r}", file=sys.stderr)
+        return 2
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        print(f"error: --seeds needs distinct values >= 0, got {args.seeds!r}", file=sys.stderr)
+        return 2
+    out = Path(args.out or "runs/bench/learning")
+    cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any run
+    if not (cfg.sft.enabled and cfg.eval.at_start and cfg.eval.at_end):
+        print("error: bench learning compares RL with more SFT from one warm start, evaluated before and after: it "
+              "needs sft.enabled, eval.at_start and eval.at_end true", file=sys.stderr)
+        return 2
+    arms = learning_arms(seeds, out)
+    rl_runs = run_arms(args.config, list(args.overrides), arms, out, args.steps, args.eval_every, args.force,
+                       warm_starts=Path(args.warm_starts) if args.warm_starts else None)
+    runs, rows = list(rl_runs), []
+    for seed, rl in zip(seeds, rl_runs):
+        if rl.error:
+            continue
+        sft = run_sft_only(args.config, rl, out, args.force)
+        runs.append(sft)
+        if not sft.error:
+            rows.append(seed_row(seed, rl, sft))
+    report = write_learning_report(rows, runs, out, _command(args))
+    print(report.read_text())
+    failed = [r.arm.name for r in runs if r.error]
+    if failed:
+        print(f"error: arms failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_continue_sft(args: argparse.Namespace) -> int:
+    from learner.sft import continue_sft
+
+    if not (Path(args.warm_start) / "config.json").is_file():
+        print(f"error: --warm-start {args.warm_start} holds no model", file=sys.stderr)
+        return 2
+    if not args.seconds > 0:
+        print(f"error: --seconds must be > 0, got {args.seconds}", file=sys.stderr)
+        return 2
+    cfg = load_config(args.config, args.overrides)
+    cfg.save(Path(args.out) / "sft_config.yaml")
+    print(json.dumps(continue_sft(cfg, args.warm_start, args.out, args.seconds)))
+    return 0
+
+
 def _get(cfg: Config, dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
@@ -465,11 +780,13 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 
 def register(subparsers: Any) -> None:
-    bench = subparsers.add_parser("bench", help="short trainings side by side: staleness sweep, ablations, async vs sync")
+    bench = subparsers.add_parser("bench", help="short trainings side by side: staleness sweep, ablations, async vs "
+                                  "sync, RL against more SFT over several worlds")
     kinds = bench.add_subparsers(dest="kind", required=True)
     helps = {"staleness": "one training per max_staleness (eta): throughput and reward",
              "ablations": "one training per switch of the seeds' studies, against one baseline",
-             "sync": "asynchronous against synchronous (lockstep, eta=0) training"}
+             "sync": "asynchronous against synchronous (lockstep, eta=0) training",
+             "learning": "per seed (own world): RL from the warm start against more SFT for the same time"}
     for kind, text in helps.items():
         p = kinds.add_parser(kind, help=text)
         p.add_argument("--config", required=True, help="YAML config file (configs/*.yaml)")
@@ -483,7 +800,17 @@ def register(subparsers: Any) -> None:
         elif kind == "ablations":
             p.add_argument("--studies", default=",".join(DEFAULT_STUDIES),
                            help=f"comma-separated, from {', '.join(STUDIES)}")
-        else:
+        elif kind == "sync":
             p.add_argument("--eta", type=int, default=2, help="the asynchronous arm's max_staleness")
+        else:
+            p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: a world and two arms each")
         p.add_argument("overrides", nargs="*", help="dotted overrides for every arm, e.g. learner.lr=3e-4")
-        p.set_defaults(func=cmd_bench)
+        p.set_defaults(func=cmd_learning if kind == "learning" else cmd_bench)
+    p = kinds.add_parser("continue-sft", help="(bench learning's SFT-only arm) more SFT from a warm start for a time "
+                         "budget, on fresh demonstrations")
+    p.add_argument("--config", required=True, help="the config the warm start was made with")
+    p.add_argument("--warm-start", required=True, help="folder of a finished warm start (async-agent-rl sft)")
+    p.add_argument("--seconds", type=float, required=True, help="wall-time budget")
+    p.add_argument("--out", required=True, help="where the model, sft_metrics.jsonl and the summary go")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, as for the warm start")
+    p.set_defaults(func=cmd_continue_sft)

@@ -267,17 +267,45 @@ def train_on_demos(
 ) -> tuple[list[float], int, int]:
     """Masked SFT: one AdamW step per entry of ``plan`` (row indices into ``demos``), token-mean NLL over model
     tokens, grad clip 1.0, warmup + cosine LR. Returns (per-step losses, non-padding tokens, loss tokens)."""
+    batches = ([demos[i] for i in rows] for rows in plan)
+    return train_on_batches(model, batches, lr, warmup_steps, pad_id, on_step, total_steps=len(plan))
+
+
+def train_on_batches(
+    model: Any,
+    batches: Iterable[Sequence[Trajectory]],
+    lr: float,
+    warmup_steps: int,
+    pad_id: int,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    total_steps: int | None = None,
+    time_budget_s: float | None = None,
+) -> tuple[list[float], int, int]:
+    """``train_on_demos``' loop over batches of demonstrations. The cosine decays over ``total_steps``; with
+    ``time_budget_s`` instead, ``batches`` may be endless: training stops once the steps themselves (packing,
+    forward, backward, update; not the time ``batches`` takes to yield) have taken that many seconds, and the
+    cosine's length is the number of steps the budget holds at the pace so far, so the LR still ends near 0."""
+    if (total_steps is None) == (time_budget_s is None):
+        raise ValueError("give exactly one of total_steps and time_budget_s")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     model.train()
     losses: list[float] = []
     tokens = loss_tokens = 0
     t0 = time.perf_counter()
-    for step, rows in enumerate(plan):
-        step_lr = lr * lr_factor(step, warmup_steps, len(plan))
+    trained_s = 0.0
+    for step, trajs in enumerate(batches):
+        t_step = time.perf_counter()
+        total = total_steps
+        if time_budget_s is not None:
+            if trained_s >= time_budget_s:
+                break
+            total = max(step + 1, int(step * time_budget_s / trained_s) if trained_s > 0 else 0)
+        step_lr = lr * lr_factor(step, warmup_steps, total)
         for g in opt.param_groups:
             g["lr"] = step_lr
-        batch = pack_batch([demos[i] for i in rows], pad_id)
+        batch = pack_batch(list(trajs), pad_id)
         loss, n = batch_nll(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -286,10 +314,18 @@ def train_on_demos(
         losses.append(float(loss.detach()))
         tokens += int(batch.attention_mask.sum())
         loss_tokens += n
+        trained_s += time.perf_counter() - t_step
         if on_step:
-            on_step({"stage": "sft", "step": step + 1, "loss": losses[-1], "lr": step_lr, "grad_norm": grad_norm,
-                     "loss_tokens": n, "elapsed_s": time.perf_counter() - t0})
+            m = {"stage": "sft", "step": step + 1, "loss": losses[-1], "lr": step_lr, "grad_norm": grad_norm,
+                 "loss_tokens": n, "elapsed_s": time.perf_counter() - t0}
+            on_step(m if time_budget_s is None else {**m, "train_s": trained_s})
     return losses, tokens, loss_tokens
+
+
+def _freeze_names_default(cfg: Config, pretrain_steps: int) -> bool:
+    """``cfg.sft.freeze_entity_embeddings`` when the config has it, else whether there was pretraining: frozen
+    names only make sense once pretraining made them generic."""
+    return bool(getattr(cfg.sft, "freeze_entity_embeddings", pretrain_steps > 0))
 
 
 def run_sft(
@@ -331,8 +367,8 @@ def run_sft(
 
     s = cfg.sft
     pretrain_steps = int(getattr(s, "pretrain_steps", 0) or 0) if pretrain_steps is None else pretrain_steps
-    if freeze_entity_embeddings is None:  # frozen names only make sense once pretraining made them generic
-        freeze_entity_embeddings = bool(getattr(s, "freeze_entity_embeddings", pretrain_steps > 0))
+    if freeze_entity_embeddings is None:
+        freeze_entity_embeddings = _freeze_names_default(cfg, pretrain_steps)
     random.seed(s.seed)
     torch.manual_seed(s.seed)
     out = Path(out_dir)
@@ -408,4 +444,107 @@ def run_sft(
         "out_dir": str(out),
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+CONTINUE_SUMMARY_FILE = "continue_sft_summary.json"
+
+
+def continue_sft(
+    cfg: Config,
+    warm_start_dir: str | Path,
+    out_dir: str | Path,
+    seconds: float,
+    *,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    log_every: int = 25,
+) -> dict[str, Any]:
+    """More of the warm start's SFT for a wall-time budget: the model in ``warm_start_dir`` (made by ``run_sft``
+    with ``cfg``) trained ``seconds`` more on fresh demonstrations, saved with its tokenizer into ``out_dir``. The
+    learning bench's SFT-only arm, matched in time to RL from the same warm start.
+
+    Made as the warm start was: rounds of ``build_demonstrations`` (same source: ``sft.num_demos``,
+    ``sft.shuffled_copies``, the configured retriever), round ``r`` drawn with seed ``sft.seed + 1 + r`` (the warm
+    start's own draw was ``sft.seed``), each trained for ``sft.epochs`` epochs of ``epoch_batches``; ``sft.lr``,
+    ``sft.batch_size``, warmup over ``sft.warmup_steps`` then cosine to 0 over the budget (``train_on_batches``);
+    the entity-name embedding rows frozen under the same rule as ``run_sft``. The pretraining stage is part of the
+    warm start and not repeated.
+
+    The budget is training time: the optimizer steps. Drawing demonstrations (scripted episodes with real retrieval,
+    which a pipeline could prepare ahead, and whose first round pays fixed start costs such as building the search
+    index) is timed apart (``demo_s``), as RL's clock starts once its components are up; loading and saving the
+    model are outside both.
+
+    Writes ``sft_metrics.jsonl`` and ``continue_sft_summary.json`` (``warm_start``, ``budget_s``, ``seconds`` (of
+    training), ``demo_s``, ``wall_s``, ``steps``, ``rounds``, ``demos``, ``frozen_rows``, ``first_loss``,
+    ``final_loss``, ``tokens``) into ``out_dir`` and returns the summary.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from async_agent_rl.data.corpus import read_corpus
+
+    if seconds <= 0:
+        raise ValueError(f"the time budget must be > 0 seconds, got {seconds}")
+    s = cfg.sft
+    random.seed(s.seed)
+    torch.manual_seed(s.seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(warm_start_dir)
+    model = AutoModelForCausalLM.from_pretrained(warm_start_dir, dtype=torch.float32)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    frozen: list[int] = []
+    if _freeze_names_default(cfg, int(s.pretrain_steps)):
+        frozen = entity_token_ids(tokenizer, [p.title for p in read_corpus(cfg.data.corpus_file)])
+        freeze_embedding_rows(model, frozen)
+
+    drawn = {"rounds": 0, "demos": 0, "seconds": 0.0}
+
+    def rounds() -> Iterable[list[Trajectory]]:
+        while True:
+            t = time.perf_counter()
+            seed = s.seed + 1 + drawn["rounds"]
+            round_cfg = cfg.model_copy(update={"sft": s.model_copy(update={"seed": seed})})
+            demos, _ = build_demonstrations(round_cfg, tokenizer)
+            drawn["rounds"] += 1
+            drawn["demos"] += len(demos)
+            drawn["seconds"] += time.perf_counter() - t
+            log.info("continue sft: round %d, %d demonstrations (seed %d)", drawn["rounds"], len(demos), seed)
+            for rows in epoch_batches([d.total_length for d in demos], s.batch_size, s.epochs, seed):
+                yield [demos[i] for i in rows]
+
+    trained = {"train_s": 0.0}
+    with (out / METRICS_FILE).open("w") as mf:
+
+        def record(m: dict[str, Any]) -> None:
+            trained["train_s"] = m["train_s"]
+            mf.write(json.dumps(m) + "\n")
+            if on_step:
+                on_step(m)
+            if log_every and m["step"] % log_every == 0:
+                log.info("continue sft step %d: loss %.4f", m["step"], m["loss"])
+
+        t0 = time.perf_counter()
+        losses, tokens, _ = train_on_batches(model, rounds(), s.lr, s.warmup_steps, pad_id, record,
+                                             time_budget_s=seconds)
+        wall = time.perf_counter() - t0
+
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    summary = {
+        "warm_start": str(warm_start_dir),
+        "budget_s": seconds,
+        "seconds": trained["train_s"],
+        "demo_s": drawn["seconds"],
+        "wall_s": wall,
+        "steps": len(losses),
+        "rounds": drawn["rounds"],
+        "demos": drawn["demos"],
+        "frozen_rows": len(frozen),
+        "first_loss": losses[0] if losses else float("nan"),
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else float("nan"),
+        "tokens": tokens,
+        "out_dir": str(out),
+    }
+    (out / CONTINUE_SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -86,4 +86,7 @@ def test_bad_study_and_bad_etas_are_refused_before_any_run(tmp_path):
     r = subprocess.run([*cli, "staleness", "--config", "configs/quickstart.yaml", "--etas", "0,x",
                         "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and "--etas" in r.stderr
+    r = subprocess.run([*cli, "learning", "--config", "configs/quickstart.yaml", "--seeds", "0,one",
+                        "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.startswith("error: --seeds")
     assert not any(tmp_path.iterdir())

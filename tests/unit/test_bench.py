@@ -1,10 +1,16 @@
-"""The bench command's pure parts: every study's arms are valid configs, and the async-vs-sync comparison."""
+"""The bench command's pure parts: every study's arms are valid configs, the async-vs-sync comparison, and the
+learning report's arithmetic (from synthetic run folders)."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
-from async_agent_rl.bench import STUDIES, Arm, ArmRun, staleness_arms, sync_arms, sync_summary, time_to_em
+from async_agent_rl.bench import (STUDIES, Arm, ArmRun, learning_arms, learning_summary, mean_se, seed_row,
+                                  sft_only_result, staleness_arms, sync_arms, sync_summary, time_to_em,
+                                  write_learning_report)
 from async_agent_rl.config import load_config
 
 
@@ -52,3 +58,78 @@ def test_sync_summary_compares_at_the_lower_best():
     assert "2.00x" in text and "5.00x" in text
     text, d = sync_summary(runs[:1])
     assert d == {} and "failed" in text
+
+
+# ------------------------------------------------------------------------------------------ bench learning's report
+def learning_folders(tmp_path, seed, curve, sft_scores, train_s=40.0):
+    """Synthetic run folders of one seed: the RL run's eval.jsonl (``curve``: per step, (single, bridge) EM and
+    searches) and the SFT-only arm's scores.json and continuation summary."""
+    from learner.sft import CONTINUE_SUMMARY_FILE
+
+    def scores(single, bridge):
+        (em1, s1), (em2, s2) = single, bridge
+        return {"all": {"n": 4, "exact_match": (3 * em1 + em2) / 4, "searches_per_question": (3 * s1 + s2) / 4},
+                "world_single": {"n": 3, "exact_match": em1, "searches_per_question": s1},
+                "world_bridge": {"n": 1, "exact_match": em2, "searches_per_question": s2}}
+
+    rl_dir, sft_dir = tmp_path / f"seed{seed}-rl", tmp_path / f"seed{seed}-sft"
+    rl_dir.mkdir()
+    sft_dir.mkdir()
+    (rl_dir / "eval.jsonl").write_text("".join(
+        json.dumps({"step": step, "when": "start" if i == 0 else "end" if i == len(curve) - 1 else f"step {step}",
+                    **scores(*ems)}) + "\n" for i, (step, ems) in enumerate(curve)))
+    (sft_dir / "scores.json").write_text(json.dumps({"checkpoint": str(sft_dir), "scores": scores(*sft_scores)}))
+    (sft_dir / CONTINUE_SUMMARY_FILE).write_text(json.dumps(
+        {"steps": 7, "rounds": 1, "seconds": train_s + 0.5, "budget_s": train_s, "demo_s": 3.0, "final_loss": 1.0}))
+    rl = ArmRun(Arm("learning", f"seed{seed}-rl", f"seed {seed}", ()), rl_dir, [], warm_start=tmp_path / "ws",
+                result={"train_s": train_s, "steps": 2})
+    sft = ArmRun(Arm("learning", f"seed{seed}-sft", "", ()), sft_dir, [], result=sft_only_result(sft_dir))
+    return seed_row(seed, rl, sft)
+
+
+def test_learning_report_arithmetic(tmp_path):
+    # seed 0: single 1/3 -> 2/3 under RL, 1/3 under SFT; bridge 0 -> 1 under RL, 0 under SFT
+    r0 = learning_folders(tmp_path, 0, [(0, ((1 / 3, 1.0), (0.0, 2.0))), (2, ((2 / 3, 1.5), (1.0, 2.0)))],
+                          ((1 / 3, 1.0), (0.0, 1.0)), train_s=40.0)
+    # seed 1: single 0 -> 1/3 under RL, 2/3 under SFT; bridge stays 0
+    r1 = learning_folders(tmp_path, 1, [(0, ((0.0, 1.0), (0.0, 2.0))), (1, ((0.0, 1.0), (0.0, 2.0))),
+                                        (2, ((1 / 3, 1.0), (0.0, 2.0)))], ((2 / 3, 1.0), (0.0, 2.0)), train_s=60.0)
+    single = r0["kinds"]["world_single"]
+    assert single["em_start"] == pytest.approx(1 / 3) and single["gain_rl"] == pytest.approx(1 / 3)
+    assert single["gain_sft"] == pytest.approx(0) and single["rl_minus_sft"] == pytest.approx(1 / 3)
+    assert single["searches_start"] == 1.0 and single["searches_rl"] == 1.5 and single["searches_sft"] == 1.0
+    assert r0["kinds"]["all"]["em_rl"] == pytest.approx((3 * 2 / 3 + 1) / 4)
+    assert [c["step"] for c in r1["curve"]] == [0, 1, 2] and r1["curve"][-1]["world_single"] == pytest.approx(1 / 3)
+    assert r0["sft_steps"] == 7 and r1["rl_s"] == 60.0
+
+    s = learning_summary([r0, r1])
+    # mean and standard error (sample std / sqrt(n)) over the two seeds
+    g = s["kinds"]["world_single"]["gain_rl"]
+    assert g["mean"] == pytest.approx(1 / 3) and g["se"] == pytest.approx(0.0, abs=1e-12) and g["n"] == 2
+    g = s["kinds"]["world_single"]["gain_sft"]  # 0 and 2/3: mean 1/3, std sqrt(2) / 3, s.e. 1/3
+    assert g["mean"] == pytest.approx(1 / 3) and g["se"] == pytest.approx(1 / 3)
+    b = s["kinds"]["world_bridge"]["rl_minus_sft"]  # 1 and 0
+    assert b["mean"] == pytest.approx(0.5) and b["se"] == pytest.approx(0.5)
+    assert s["rl_s"]["mean"] == 50.0 and s["rl_s"]["se"] == pytest.approx(10.0)
+    assert math.isnan(mean_se([0.3])["se"]) and mean_se([0.3])["mean"] == 0.3
+
+    report = write_learning_report([r0, r1], [], tmp_path, "async-agent-rl bench learning --seeds 0,1")
+    md = report.read_text()
+    assert "    async-agent-rl bench learning --seeds 0,1" in md
+    assert "## single-hop" in md and "## bridge (two-hop)" in md
+    mean_row = [x for x in md.split("## single-hop")[1].splitlines() if x.startswith("| **mean")][0]
+    assert "| 0.167 ± 0.167 |" in mean_row and "| +0.333 ± 0.000 |" in mean_row and "| +0.333 ± 0.333 |" in mean_row
+    assert json.loads((tmp_path / "report.json").read_text())["summary"]["kinds"]["all"]["em_rl"]["n"] == 2
+    assert (tmp_path / "learning_curves.png").stat().st_size > 1000
+    assert (tmp_path / "learning_bars.png").stat().st_size > 1000
+
+
+def test_seed_overrides_give_each_seed_its_own_world_model_and_seeds(tmp_path):
+    a, b = learning_arms([0, 3], tmp_path)
+    cfg = load_config("configs/quickstart.yaml", list(b.overrides))
+    assert cfg.data.world.seed == 3 and cfg.learner.seed == cfg.rollout.seed == cfg.sft.seed == cfg.data.seed == 3
+    assert cfg.data.world_dir == str(tmp_path / "worlds" / "seed_3")
+    assert cfg.data.test_files == [str(tmp_path / "worlds" / "seed_3" / "test.parquet")]
+    assert cfg.model.path == str(tmp_path / "worlds" / "seed_3" / "model")
+    assert cfg.data.world.num_people == load_config("configs/quickstart.yaml").data.world.num_people
+    assert a.own_warm_start and a.name == "seed0-rl"
