@@ -270,10 +270,10 @@ class SFTConfig(_Section):
     pretrain_steps: int = Field(
         0, ge=0, description="embedded world only: LM steps on shuffled-fact passages first (teaches copying names)"
     )
-    freeze_embeddings: Literal["names", "all"] = Field(
-        "names", description="after pretraining, the embedding rows kept fixed during SFT: the entity names' (so "
-        "unseen names are copied, not memorized) or all of them (every answer token is then copied from what the "
-        "model reads)")
+    pretrain_questions: bool = Field(
+        False, description="pretraining: follow each shuffled-fact observation with questions about it and their "
+        "answers, so every kind of value (years, occupations, names) is read and copied, not only the names that "
+        "repeat inside a passage")
     shuffled_copies: int = Field(
         0, ge=0, description="embedded world only: draw the demonstrations from this many fact-shuffled copies of "
         "the world (train subjects, each copy with its own index) instead of the true train facts, so the warm "

@@ -296,7 +296,8 @@ def _copy_with_id(t: Trajectory, trajectory_id: str) -> Trajectory:
     )
 
 
-def shuffled_world_observations(world_file: str | Path, copies: int, seed: int = 0, max_docs: int = 3) -> list[str]:
+def shuffled_world_observations(world_file: str | Path, copies: int, seed: int = 0, max_docs: int = 3,
+                                questions: bool = False) -> list[str]:
     """Observation-style texts about the world's entities with every fact SHUFFLED, for corpus pretraining.
 
     ``world_file`` is the ``world.json`` entity table that ``write_world`` writes. For each of ``copies`` copies,
@@ -309,7 +310,7 @@ def shuffled_world_observations(world_file: str | Path, copies: int, seed: int =
     is taught (a value matches the truth only by chance, differently in every copy), so held-out answers stay
     reachable only by searching.
     """
-    from async_agent_rl.data.world import Entity, describe
+    from async_agent_rl.data.world import Entity, describe, questions_about
 
     table = json.loads(Path(world_file).read_text())
     by_kind: dict[str, list[str]] = {}
@@ -319,19 +320,25 @@ def shuffled_world_observations(world_file: str | Path, copies: int, seed: int =
     texts: list[str] = []
     for _ in range(copies):
         passages = []
+        shuffled: dict[str, Entity] = {}
         for kind, names in by_kind.items():
             attrs = [a for a in table[names[0]] if a != "kind"]
             columns = {a: [table[n][a] for n in names] for a in attrs}
             for col in columns.values():
                 rng.shuffle(col)
             for i, name in enumerate(names):
-                e = Entity(kind, name, {a: columns[a][i] for a in attrs})
+                e = shuffled[name] = Entity(kind, name, {a: columns[a][i] for a in attrs})
                 passages.append(Passage(str(len(passages)), f'"{name}"\n{describe(e)}'))
         rng.shuffle(passages)
         i = 0
         while i < len(passages):
             k = rng.randint(1, max_docs)
-            texts.append(render_information(passages[i : i + k]))
+            text = render_information(passages[i : i + k])
+            if questions:  # reading exercises: single-hop questions about these documents, answered from them
+                shown = [shuffled[p.title.strip('"')] for p in passages[i : i + k]]
+                qs = [q for e in shown for q in questions_about(e, shuffled, rng, 0.0)]
+                text += "".join(f"\n{q.question} {q.answers[0]}" for q in rng.sample(qs, min(len(qs), len(shown))))
+            texts.append(text)
             i += k
     return texts
 

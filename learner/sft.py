@@ -250,10 +250,11 @@ def _pretrain_texts(cfg: Config, steps: int, batch_size: int, seq_len: int, toke
             f"pretraining needs the embedded world's entity table {world_file} (written by `data make-world`); "
             "use --pretrain-steps 0 for other data"
         )
-    one = shuffled_world_observations(world_file, 1, cfg.sft.seed)
+    questions = cfg.sft.pretrain_questions
+    one = shuffled_world_observations(world_file, 1, cfg.sft.seed, questions=questions)
     per_copy = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in one)
     copies = max(1, math.ceil(steps * batch_size * seq_len / per_copy))
-    return shuffled_world_observations(world_file, copies, cfg.sft.seed)
+    return shuffled_world_observations(world_file, copies, cfg.sft.seed, questions=questions)
 
 
 def train_on_demos(
@@ -406,11 +407,7 @@ def run_sft(
             )
         pretrain_seconds = time.perf_counter() - t_pre
 
-        frozen = []
-        if freeze_entity_embeddings:
-            everything = getattr(s, "freeze_embeddings", "names") == "all"
-            frozen = list(range(model.get_input_embeddings().weight.shape[0])) if everything else \
-                entity_token_ids(tokenizer, titles)
+        frozen = entity_token_ids(tokenizer, titles) if freeze_entity_embeddings else []
         if frozen:
             freeze_embedding_rows(model, frozen)
         plan = epoch_batches([d.total_length for d in demos], s.batch_size, s.epochs, s.seed)

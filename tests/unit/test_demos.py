@@ -221,3 +221,21 @@ def test_shuffled_world_observations_use_every_name_and_teach_no_true_fact(world
     assert true_docs <= 0.02 * len(docs)  # a full true description only by chance
     first, second = docs[: len(table)], docs[len(table) :]
     assert dict(first) != dict(second)  # every copy is shuffled anew
+
+
+def test_pretraining_questions_are_answered_by_the_documents_just_above_them(world_dir):
+    import re
+
+    texts = shuffled_world_observations(world_dir / "world.json", copies=1, seed=0, questions=True)
+    asked = 0
+    for t in texts:
+        block, _, tail = t.partition("</information>")
+        lines = [x for x in tail.split("\n") if x.strip()]
+        docs = re.findall(r'Doc \d+\(Title: "(.*?)"\)', block)
+        assert 1 <= len(lines) <= len(docs)
+        for line in lines:
+            question, answer = line.rsplit("? ", 1)
+            assert any(name in question for name in docs)  # about a document shown
+            assert answer in block  # and answered by it (shuffled facts: only reading gets it)
+            asked += 1
+    assert asked >= len(texts)
