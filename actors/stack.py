@@ -75,8 +75,9 @@ async def run_greedy(runner: EpisodeRunner, examples: Sequence[QAExample], concu
     return list(await asyncio.gather(*(one(ex) for ex in examples)))
 
 
-def score_episodes(trajs: Iterable[Trajectory], tokenizer) -> dict:
-    """Exact match, F1, searches per question, turns and finish reasons, overall and per data source."""
+def score_episodes(trajs: Iterable[Trajectory], tokenizer, skipped_too_long: int = 0) -> dict:
+    """Exact match, F1, searches per question, turns and finish reasons, overall and per data source;
+    ``all.skipped_too_long`` counts the questions not run because their prompt is over data.max_prompt_length."""
     rows: dict[str, list[dict]] = {}
     for t in trajs:
         text = tokenizer.decode(t.response_ids, skip_special_tokens=True)
@@ -104,7 +105,10 @@ def score_episodes(trajs: Iterable[Trajectory], tokenizer) -> dict:
             "finish_reasons": finishes,
         }
 
-    return {k: summary(v) for k, v in sorted(rows.items())}
+    scores = {k: summary(v) for k, v in sorted(rows.items())}
+    if "all" in scores:
+        scores["all"]["skipped_too_long"] = skipped_too_long
+    return scores
 
 
 def write_episodes(path: str | Path, trajs: Iterable[Trajectory], model_path: str) -> int:
@@ -119,5 +123,15 @@ def write_episodes(path: str | Path, trajs: Iterable[Trajectory], model_path: st
 
 
 def read_episodes(path: str | Path) -> list[Trajectory]:
-    with open(path) as f:
-        return [Trajectory.from_json(json.loads(line)) for line in f if line.strip()]
+    """The episodes of a ``write_episodes`` file; ``InputError`` naming the file and line of a bad one."""
+    from async_agent_rl.errors import InputError
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    out.append(Trajectory.from_json(json.loads(line)))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise InputError(f"{path}:{lineno}: not an episode ({type(e).__name__}: {e})") from None
+    return out
