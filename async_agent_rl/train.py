@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from async_agent_rl.config import Config
+from async_agent_rl.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,18 @@ SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout 
 DRIVER_STATE = "driver_state.json"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest ``checkpoints/step_N`` whose driver state was written (a crash mid-checkpoint leaves none)."""
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / DRIVER_STATE).is_file())
-    return done[-1] if done else None
+def latest_checkpoint(run_dir: Path) -> tuple[Path, list[str]]:
+    """The newest intact ``checkpoints/step_N`` (its manifest verified; a crash mid-checkpoint leaves only a
+    ``.step_N.tmp`` folder) and one line per damaged newer checkpoint skipped; ``InputError`` when there is none."""
+    from learner.checkpoint import CheckpointError, newest_intact
+
+    candidates = [p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()]
+    if not candidates:
+        raise InputError(f"{run_dir}: no checkpoint under checkpoints/ to resume from")
+    ckpt, skipped = newest_intact(candidates)
+    if ckpt is None:
+        raise CheckpointError(f"{run_dir}: no intact checkpoint to resume from: {'; '.join(skipped)}")
+    return ckpt, skipped
 
 
 class RunLog:
@@ -373,26 +382,45 @@ class Trainer:
     def checkpoint(self) -> str:
         """Learner checkpoint (policy, DeepSpeed state, RNG), buffer snapshot and the driver's counters, written
         into ``checkpoints/step_N``; ``train --resume RUN_DIR`` continues from the newest complete one."""
+        import shutil
+
         import ray
 
-        path = Path(self.learner.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}"))
-        ray.get(self.buffer.snapshot.remote(str(path / BUFFER_SNAPSHOT)))
+        from learner.checkpoint import commit_checkpoint
+
+        final = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        tmp = final.with_name(f".{final.name}.tmp")  # written here, renamed into place once complete
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.learner.save_checkpoint(tmp)
+        ray.get(self.buffer.snapshot.remote(str(tmp / BUFFER_SNAPSHOT)))
         state = {"step": self.step, "version": self.version, "restarts": self.restarts,
                  "lost_episodes": self.lost_episodes, "retired": self.retired}  # fmt: skip
-        (path / DRIVER_STATE).write_text(json.dumps(state))  # written last: marks the checkpoint complete
+        (tmp / DRIVER_STATE).write_text(json.dumps(state))
+        path = commit_checkpoint(tmp, final)  # checksum manifest last, then the rename
         self.log.say(f"[checkpoint] {path}")
         return str(path)
 
     @classmethod
     def resume(cls, run_dir: str | Path, quiet: bool = False) -> "Trainer":
-        """A trainer for ``run_dir`` that continues from its newest complete checkpoint (config from the run)."""
+        """A trainer for ``run_dir`` that continues from its newest intact checkpoint (config from the run). Damaged
+        newer checkpoints are skipped with a warning; a checkpoint whose config differs from the run's on anything
+        the saved state depends on is an error naming the keys."""
+        import yaml
+
         from async_agent_rl.config import load_config
+        from learner.checkpoint import CONFIG_FILE, CheckpointError, config_differences
 
         run_dir = Path(run_dir)
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise FileNotFoundError(f"{run_dir}: no complete checkpoint under checkpoints/ to resume from")
-        trainer = cls(load_config(run_dir / "config.yaml"), run_dir, quiet)
+        if not (run_dir / "config.yaml").is_file():
+            raise InputError(f"{run_dir}: not a run folder (no config.yaml)")
+        cfg = load_config(run_dir / "config.yaml")
+        ckpt, skipped = latest_checkpoint(run_dir)
+        diff = config_differences(yaml.safe_load((ckpt / CONFIG_FILE).read_text()), cfg.to_dict())
+        if diff:
+            raise CheckpointError(f"{ckpt} does not match {run_dir / 'config.yaml'}: {'; '.join(diff)}")
+        trainer = cls(cfg, run_dir, quiet)
+        for line in skipped:
+            trainer.log.say(f"[resume] warning: skipped a damaged checkpoint: {line}")
         trainer.resume_from = ckpt
         return trainer
 
@@ -400,14 +428,23 @@ class Trainer:
         """Load the checkpoint into the learner and buffer; drop the metrics of steps that will be redone."""
         import ray
 
+        from learner.checkpoint import check_model_matches
+
         ckpt = self.resume_from
         state = json.loads((ckpt / DRIVER_STATE).read_text())
+        check_model_matches(ckpt, self.policy_path)
         self.learner.load_checkpoint(ckpt)
         ray.get(self.buffer.restore.remote(str(ckpt / BUFFER_SNAPSHOT)))
         self.step, self.version = state["step"], state["version"]
         self.restarts, self.lost_episodes, self.retired = state["restarts"], state["lost_episodes"], state["retired"]
         metrics = self.run_dir / "metrics.jsonl"
-        kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+        kept = []
+        for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+            try:
+                if json.loads(line)["step"] <= self.step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line cut off by the crash: its step is redone anyway
+                self.log.say(f"[resume] dropped an unreadable line of {metrics}")
         metrics.write_text("".join(line + "\n" for line in kept))
         self.history = [json.loads(line) for line in kept]
         # episodes counted before the crash are history now: the new actors count from zero
