@@ -22,8 +22,10 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from async_agent_rl.errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(InputError):
     """A configuration file or override is invalid. The message names every offending path."""
 
 
