@@ -38,6 +38,7 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any, AsyncIterator, Callable
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -100,6 +101,8 @@ def parse_retrieve_request(body: bytes, default_topk: int, limits: RetrieverLimi
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(400, "malformed_json", f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # the parser recurses per nesting level: tens of thousands of "[" exhaust the stack
+        raise RequestError(400, "malformed_json", "request body is JSON nested too deeply to parse") from None
     if not isinstance(payload, dict):
         raise RequestError(400, "bad_type", f"request body must be a JSON object, got {type(payload).__name__}")
     queries = payload.get("queries")
@@ -328,6 +331,8 @@ def create_app(
                 raise RequestError(
                     413, "body_too_large", f"request body exceeds the limit of {limits.max_body_bytes} bytes"
                 ) from None
+            except (ConnectionError, aiohttp.ClientPayloadError):  # the client hung up before its body was in
+                raise ClientGone() from None
             req = parse_retrieve_request(body, config.topk, limits)
             hits = await batcher.search(req.queries, req.topk, alive=lambda: not _disconnected(request))
             response = web.Response(
@@ -396,7 +401,10 @@ async def serve(
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # e.g. the port is in use: name the address (errno kept for the CLI's error line)
+            raise OSError(e.errno, f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
         host, port = runner.addresses[0][:2]
         yield f"http://{host}:{port}"
     finally:
