@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 BUFFER_SNAPSHOT = "replay_buffer.snapshot"
 SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout actors this often
+SEARCH_ERROR_WARN_RATE = 0.5  # warn when more than this share of a step's searches failed (at least 4 of them)
+SEARCH_WARN_EVERY_S = 60.0
 DRIVER_STATE = "driver_state.json"
 
 
@@ -80,22 +82,34 @@ def _job_env_vars() -> dict[str, str] | None:
 
 
 def _ray_init(cfg: Config) -> None:
-    """Connect to ``cluster.ray_address`` (or the job's cluster under ``ray job submit``), else start a local Ray."""
+    """Connect to ``cluster.ray_address`` (or the job's cluster under ``ray job submit``), else start a local Ray.
+
+    Authentication is Ray's own token authentication and is never turned off here: a local ``ray.init`` turns it on
+    (creating ``~/.ray/auth_token`` once) and every process of the cluster, workers included, inherits it.
+    ``RAY_AUTH_MODE`` is never put into the workers' runtime env, which is what used to get them rejected. Ray binds
+    the local cluster's gRPC servers to every interface (it rewrites a loopback node address to the host's), so a
+    local cluster with authentication disabled would let anyone on the network run code here: refused.
+    """
     import ray
 
     if ray.is_initialized():
         return
-    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **cfg.cluster.env_vars}
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if not address and os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        raise InputError("RAY_AUTH_MODE=disabled would start a local Ray cluster that listens on every network "
+                         "interface without authentication; unset it (Ray then uses token authentication)")
+    if any(k.startswith("RAY_AUTH") for k in cfg.cluster.env_vars):
+        raise InputError("cluster.env_vars: RAY_AUTH_* must not be set per worker (workers whose mode differs from "
+                         "the cluster's are rejected); set it in the environment of `ray start` instead")
+    env = dict(cfg.cluster.env_vars)
     if cfg.run.device == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
     job_env = _job_env_vars()
     if job_env is not None:
-        # Ray refuses to merge a key the job's runtime env already sets; workers get RAY_AUTH_MODE from the raylet
-        env = {k: v for k, v in env.items() if k not in job_env and k != "RAY_AUTH_MODE"}
+        env = {k: v for k, v in env.items() if k not in job_env}  # Ray refuses to merge a key the job's env sets
         if not Path(cfg.run.output_dir).is_absolute():
             log.warning("run.output_dir=%r is relative: under `ray job submit` it lands in the job's temporary copy "
                         "of the working dir; pass an absolute run.output_dir to keep the run", cfg.run.output_dir)
-    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
@@ -116,6 +130,7 @@ class Trainer:
         self.lost_episodes = 0
         self.retired: dict[str, float] = {}  # totals of actor incarnations that died (their stats restart at 0)
         self.resume_from: Path | None = None
+        self._search_warned_at = -SEARCH_WARN_EVERY_S
 
     # --------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -259,6 +274,7 @@ class Trainer:
             self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish)
         record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
         record["batch"] = batch_summary
+        self._warn_search_errors(record)
         self.history.append(record)
         self.log.write("metrics.jsonl", record)
         evicted = sum(n for r, n in buffer.get("evicted", {}).items() if not r.startswith("filtered"))
@@ -326,12 +342,16 @@ class Trainer:
                 "finished": r.get("finished", 0),
                 "em_sum": r.get("reward_component_sums", {}).get("exact_match", 0.0),
                 "generated_tokens": r.get("generated_tokens", 0),
+                "searches": r.get("searches", 0),
+                "search_errors": r.get("search_errors", 0),
             }
             for r in rollout
         }
         finished = self.retired.get("finished", 0) + sum(a["finished"] for a in per_actor.values())
         em_sum = self.retired.get("em_sum", 0.0) + sum(a["em_sum"] for a in per_actor.values())
         generated = self.retired.get("generated_tokens", 0) + sum(a["generated_tokens"] for a in per_actor.values())
+        searches = self.retired.get("searches", 0) + sum(a["searches"] for a in per_actor.values())
+        search_errors = self.retired.get("search_errors", 0) + sum(a["search_errors"] for a in per_actor.values())
         prev = self.history[-1] if self.history else {"episodes_total": 0, "em_sum_total": 0.0}
         new_eps = finished - prev["episodes_total"]
         return {
@@ -343,6 +363,8 @@ class Trainer:
             "episodes_total": int(finished),
             "em_sum_total": em_sum,
             "generated_tokens_total": generated,
+            "searches_total": int(searches),
+            "search_errors_total": int(search_errors),
             "episodes_per_s": finished / elapsed if elapsed > 0 else 0.0,
             "gen_tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
             "per_actor": per_actor,
@@ -355,6 +377,20 @@ class Trainer:
             "learner": metrics,
             "publish": publish,
         }
+
+    def _warn_search_errors(self, record: dict) -> None:
+        """A run whose searches fail (``retriever.url`` pointing nowhere, a retriever down) still trains, on error
+        observations: say so while it runs, at most once a minute."""
+        prev = self.history[-1] if self.history else {}
+        searches = record["searches_total"] - prev.get("searches_total", 0)
+        errors = record["search_errors_total"] - prev.get("search_errors_total", 0)
+        now = time.monotonic()
+        if searches >= 4 and errors > SEARCH_ERROR_WARN_RATE * searches and now - self._search_warned_at >= SEARCH_WARN_EVERY_S:
+            self._search_warned_at = now
+            msg = (f"{errors} of {searches} searches failed since the last step (retriever {self.url}); the policy "
+                   "trains on error observations")
+            log.warning(msg)
+            self.log.say(f"[warn] {msg}")
 
     def evaluate(self, when: str) -> dict:
         import ray
@@ -451,7 +487,9 @@ class Trainer:
         if self.history:
             last = self.history[-1]
             self.retired = {"finished": last["episodes_total"], "em_sum": last["em_sum_total"],
-                            "generated_tokens": last.get("generated_tokens_total", 0)}  # fmt: skip
+                            "generated_tokens": last.get("generated_tokens_total", 0),
+                            "searches": last.get("searches_total", 0),
+                            "search_errors": last.get("search_errors_total", 0)}  # fmt: skip
         self.log.say(f"[resume] {ckpt}: step {self.step}, version {self.version}")
 
     def save(self, directory: Path) -> str:
@@ -467,6 +505,8 @@ class Trainer:
             "final_policy": str(Path(final) / "policy"),
             "episodes": self.history[-1]["episodes_total"] if self.history else 0,
             "episodes_failed": sum(r.get("failed", 0) for r in rollout),
+            "searches": self.history[-1]["searches_total"] if self.history else 0,
+            "search_errors": self.history[-1]["search_errors_total"] if self.history else 0,
             "actor_restarts": dict(self.restarts),
             "lost_episodes": self.lost_episodes,
         }
@@ -474,6 +514,8 @@ class Trainer:
             s["exact_match_start"] = start["all"]["exact_match"]
         if end:
             s["exact_match_end"] = end["all"]["exact_match"]
+        if s["search_errors"] > SEARCH_ERROR_WARN_RATE * s["searches"] > 0:
+            self.log.say(f"[warn] {s['search_errors']} of {s['searches']} searches in this run failed")
         self.log.say("[done] " + json.dumps(s))
         return s
 
