@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from async_agent_rl.config import load_config
-from tests.helpers import world_overrides
+from tests.helpers import leaked_weight_dirs, shm_weight_dirs, world_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,7 +39,6 @@ SMALL = [
     "rollout.group_size=4", "rollout.max_concurrent_episodes=16", "eval.num_questions=8", "eval.at_start=false",
     "monitoring.enabled=false", "sft.enabled=false", "buffer.group_filter=none",
 ]  # fmt: skip
-SHM = Path("/dev/shm")
 
 
 def plain_env() -> dict[str, str]:
@@ -59,11 +58,6 @@ def tree(pid: int) -> set[int]:
         return {pid, *(c.pid for c in p.children(recursive=True))}
     except psutil.Error:
         return set()
-
-
-def weight_dirs_of(pids: set[int]) -> list[Path]:
-    """/dev/shm/aar_weights_<pid>_* folders whose owner is one of ``pids``."""
-    return [d for d in SHM.glob("aar_weights_*_*") if d.name.split("_")[2].isdigit() and int(d.name.split("_")[2]) in pids]
 
 
 def run_cli(args: list[str], cwd: Path, timeout_s: float) -> tuple[subprocess.CompletedProcess, set[int]]:
@@ -153,6 +147,7 @@ def test_short_run_warns_on_failed_searches_cleans_shm_and_resumes_past_a_damage
     ])  # fmt: skip
     cfg_file = cfg.save(tmp_path / "cfg.yaml")
     run_dir = tmp_path / "run"
+    shm_before = shm_weight_dirs()
     r, pids = run_cli(["train", "--config", str(cfg_file)], REPO, timeout_s=480)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -161,7 +156,7 @@ def test_short_run_warns_on_failed_searches_cleans_shm_and_resumes_past_a_damage
     assert "[warn]" in r.stdout and "searches failed" in r.stdout, r.stdout[-3000:]
     done = [x for x in r.stdout.splitlines() if x.startswith("[done] ")]
     assert done and json.loads(done[-1][len("[done] "):])["search_errors"] == summary["search_errors"]
-    assert len(pids) > 5 and not weight_dirs_of(pids), weight_dirs_of(pids)  # the policy copies are gone
+    assert len(pids) > 5 and not leaked_weight_dirs(shm_before, pids)  # the policy copies are gone
 
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001", "step_000002"]
@@ -174,7 +169,7 @@ def test_short_run_warns_on_failed_searches_cleans_shm_and_resumes_past_a_damage
     from learner.checkpoint import verify_manifest
 
     verify_manifest(ckpts / "step_000002")  # redone and intact again
-    assert not weight_dirs_of(pids)
+    assert not leaked_weight_dirs(shm_before, pids)
 
 
 def test_no_training_prompt_fits_is_an_error_not_a_hang(tmp_path, world_dir, tiny_model_dir):

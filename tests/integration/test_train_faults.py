@@ -17,7 +17,7 @@ import pytest
 
 from async_agent_rl.config import load_config
 from async_agent_rl.plots import read_jsonl
-from tests.helpers import world_overrides
+from tests.helpers import leaked_weight_dirs, shm_weight_dirs, world_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,6 +80,7 @@ def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir
     proc = subprocess.Popen(_train_cmd("--config", str(cfg_file)), cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     pids: set[int] = set()  # every process of the crashed run (the owners of its /dev/shm weight copies)
+    shm_before = shm_weight_dirs()
     try:
         marker = run_dir / "checkpoints" / "step_000002" / "driver_state.json"
         deadline = time.monotonic() + 420
@@ -104,7 +105,7 @@ def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and Path(summary["final_policy"], "config.json").is_file()
     # the crashed run's copies of the policy in /dev/shm are gone (removed after each reload, or swept since)
-    left = [d for d in Path("/dev/shm").glob("aar_weights_*_*") if d.name.split("_")[2] in {str(p) for p in pids}]
+    left = leaked_weight_dirs(shm_before, pids)
     assert len(pids) > 5 and not left, left
 
 
