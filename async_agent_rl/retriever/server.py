@@ -43,6 +43,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits
+from async_agent_rl.errors import InputError
 from async_agent_rl.retriever.backends import Hit, SearchBackend
 
 logger = logging.getLogger(__name__)
@@ -487,7 +488,8 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], timeout_s: float = 120.0):
         self.argv = argv
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.error: str | None = None  # the child's own `error:` line, raised here instead of printed
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: Queue[str | None] = Queue()
 
         def pump() -> None:  # keep draining stdout so the child never blocks on a full pipe
@@ -496,7 +498,17 @@ class ServerProcess:
                 lines.put(line)
             lines.put(None)
 
+        def pump_stderr() -> None:  # the child's log goes on to ours
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                if line.startswith("error: "):
+                    self.error = line[len("error: "):].strip()
+                else:
+                    sys.stderr.write(line)
+
         threading.Thread(target=pump, name="retriever-stdout", daemon=True).start()
+        stderr_thread = threading.Thread(target=pump_stderr, name="retriever-stderr", daemon=True)
+        stderr_thread.start()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -506,6 +518,9 @@ class ServerProcess:
                 raise TimeoutError(f"retrieval server did not start within {timeout_s} s: {' '.join(argv)}") from None
             if line is None:
                 code = self.proc.wait()
+                stderr_thread.join(5)
+                if self.error is not None:
+                    raise InputError(f"retrieval server: {self.error}")
                 raise RuntimeError(f"retrieval server exited with code {code} before listening: {' '.join(argv)}")
             match = _LISTENING.search(line)
             if match:

@@ -96,3 +96,15 @@ def test_serve_on_a_busy_port_is_one_error_line(tmp_path: Path):
     assert "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], r.stderr
+
+
+def test_a_retriever_child_that_refuses_its_corpus_is_one_input_error(tmp_path: Path):
+    """What ``train`` and ``eval`` see when the retrieval server they start refuses the corpus: the child's own
+    error line, raised as an InputError (the CLI prints it once), not "exited with code 2"."""
+    from async_agent_rl.errors import InputError
+    from async_agent_rl.retriever.server import spawn_server
+
+    corpus = tmp_path / "dup.jsonl"
+    write_corpus(corpus, [*PASSAGES[:3], Passage(id="1", contents='"Again"\nsame id')])
+    with pytest.raises(InputError, match=r"retrieval server: .*dup.jsonl:4: .*duplicate passage id '1'"):
+        spawn_server(corpus)
