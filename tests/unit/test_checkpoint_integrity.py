@@ -121,3 +121,10 @@ def test_commit_replaces_a_stale_folder_of_the_same_step(tmp_path):
     make_run(tmp_path, steps=(1,))  # the step redone after a fallback writes it again
     verify_manifest(run / "checkpoints" / "step_000001")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def test_a_run_without_checkpoints_is_one_error_line(tmp_path, capsys):
+    run = make_run(tmp_path, steps=())
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "no checkpoint under checkpoints/" in err and "Traceback" not in err, err
