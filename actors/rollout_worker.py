@@ -86,6 +86,7 @@ class WorkerStats:
     finish_reasons: Counter = field(default_factory=Counter)
     # per question kind (the example's data_source): finished, reward_sum, exact_match_sum, searches
     by_kind: dict = field(default_factory=dict)
+    failures: Counter = field(default_factory=Counter)  # failed episodes by exception type
     started_at: float = field(default_factory=time.monotonic)
 
     def add_finished(self, traj: Trajectory) -> None:
@@ -102,9 +103,10 @@ class WorkerStats:
                  exact_match_sum=traj.reward_components.get("exact_match", 0.0))
 
     def as_dict(self) -> dict:
-        skip = ("finish_reasons", "reward_component_sums", "by_kind", "started_at")
+        skip = ("finish_reasons", "reward_component_sums", "by_kind", "failures", "started_at")
         d = {k: v for k, v in self.__dict__.items() if k not in skip}
         d["finish_reasons"] = dict(self.finish_reasons)
+        d["failures"] = dict(self.failures)
         d["reward_component_sums"] = dict(self.reward_component_sums)
         d["by_kind"] = {kind: dict(c) for kind, c in self.by_kind.items()}
         d["elapsed_s"] = time.monotonic() - self.started_at
@@ -233,9 +235,9 @@ class RolloutWorker:
         self.stats.started += 1
         try:
             traj = await runner.run(ex, group_id=group_id, seed=seed)
-        except Exception:  # an engine failure loses this episode, not the worker; counted, logged, reported
+        except Exception as e:  # an engine failure loses this episode, not the worker; counted, logged, reported
             self.stats.failed += 1
-            log.exception("episode of group %s failed (question %s)", group_id, ex.id)
+            self._log_failure(e, ex)
             await self.on_lost([group_id])
             return
         finally:
@@ -245,6 +247,16 @@ class RolloutWorker:
         traj.meta.actor_id = self.actor_id
         self.stats.add_finished(traj)
         await self._outbox.put(traj)
+
+    def _log_failure(self, e: Exception, ex: QAExample) -> None:
+        """Count the failure by kind; log the 1st, 2nd, 4th, 8th, ... of each kind (one traceback, the first):
+        a failure that repeats every episode gives a few lines with counts, not a flood."""
+        kind = type(e).__name__
+        self.stats.failures[kind] += 1
+        n = self.stats.failures[kind]
+        if n & (n - 1) == 0:
+            log.warning("%d episode(s) failed with %s so far (latest: question %s: %s)", n, kind, ex.id, e,
+                        exc_info=e if n == 1 else None)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ pushing
     async def _flush_loop(self) -> None:

@@ -82,9 +82,10 @@ def model_text(traj: Trajectory, tokenizer) -> str:
                         for t in traj.turns)
 
 
-def score_episodes(trajs: Iterable[Trajectory], tokenizer) -> dict:
+def score_episodes(trajs: Iterable[Trajectory], tokenizer, skipped_too_long: int = 0) -> dict:
     """Exact match, F1, searches per question, turns and finish reasons, overall and per data source; answers are
-    read from the model's own turns only (``model_text``)."""
+    read from the model's own turns only (``model_text``); ``all.skipped_too_long`` counts the questions not run
+    because their prompt is over data.max_prompt_length."""
     rows: dict[str, list[dict]] = {}
     for t in trajs:
         text = model_text(t, tokenizer)
@@ -112,7 +113,10 @@ def score_episodes(trajs: Iterable[Trajectory], tokenizer) -> dict:
             "finish_reasons": finishes,
         }
 
-    return {k: summary(v) for k, v in sorted(rows.items())}
+    scores = {k: summary(v) for k, v in sorted(rows.items())}
+    if "all" in scores:
+        scores["all"]["skipped_too_long"] = skipped_too_long
+    return scores
 
 
 def write_episodes(path: str | Path, trajs: Iterable[Trajectory], model_path: str) -> int:
@@ -127,5 +131,15 @@ def write_episodes(path: str | Path, trajs: Iterable[Trajectory], model_path: st
 
 
 def read_episodes(path: str | Path) -> list[Trajectory]:
-    with open(path) as f:
-        return [Trajectory.from_json(json.loads(line)) for line in f if line.strip()]
+    """The episodes of a ``write_episodes`` file; ``InputError`` naming the file and line of a bad one."""
+    from async_agent_rl.errors import InputError
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    out.append(Trajectory.from_json(json.loads(line)))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise InputError(f"{path}:{lineno}: not an episode ({type(e).__name__}: {e})") from None
+    return out

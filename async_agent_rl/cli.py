@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from async_agent_rl.config import Config, ConfigError, config_reference, load_config
+from async_agent_rl.errors import InputError, error_line
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -151,6 +152,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     from async_agent_rl.show import format_trajectory
 
     trajs = read_episodes(args.file)
+    if not trajs:
+        raise InputError(f"{args.file}: no episodes in the file")
+    if args.index is not None and not -len(trajs) <= args.index < len(trajs):
+        raise InputError(f"--index {args.index}: {args.file} holds {len(trajs)} episodes")
     picked = trajs if args.index is None else [trajs[args.index]]
     tok_dir = args.tokenizer or picked[0].meta.extra.get("model")
     if not tok_dir:
@@ -170,16 +175,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from async_agent_rl.data.search_r1 import read_qa_files
 
     cfg = _config(args)
+    model = args.checkpoint or cfg.model.path
+    if not (Path(model) / "config.json").is_file():  # never a Hugging Face Hub repo id: only local folders
+        what = "--checkpoint" if args.checkpoint else "model.path"
+        raise InputError(f"{what} {model}: no model folder there (no config.json)")
     examples, _ = read_qa_files([args.data] if args.data else cfg.data.test_files, cfg.data.on_bad_row)
     examples = examples[: args.limit] if args.limit else examples
-    model = args.checkpoint or cfg.model.path
 
     async def main():
         async with local_stack(cfg, model) as stack:
-            trajs = await run_greedy(stack.runner, examples)
-            return trajs, score_episodes(trajs, stack.runner.tokenizer)
+            fitting, too_long = stack.runner.split_by_prompt_length(examples)
+            trajs = await run_greedy(stack.runner, fitting)
+            return trajs, score_episodes(trajs, stack.runner.tokenizer, skipped_too_long=len(too_long))
 
     trajs, scores = asyncio.run(main())
+    if not trajs:
+        raise InputError(f"no question could be evaluated: all {len(examples)} prompts are longer than "
+                         f"data.max_prompt_length={cfg.data.max_prompt_length}")
     if args.episodes:
         write_episodes(args.episodes, trajs, model)
     text = json.dumps({"checkpoint": str(model), "scores": scores}, indent=2)
@@ -275,9 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # one line on stderr, never a traceback (-v: the traceback of an unexpected one)
+        line = error_line(e)
+        if line is not None:
+            print(line, file=sys.stderr)
+            return 2
+        if args.verbose:
+            raise
+        first = str(e).strip().splitlines()
+        print(f"error: unexpected {type(e).__name__}: {first[0] if first else ''} (rerun with -v for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

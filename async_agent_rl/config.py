@@ -12,20 +12,50 @@ README's commands, the job's working dir under ``ray job submit``).
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
+import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from async_agent_rl.errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration file or override is invalid. The message names every offending path."""
 
 
+def _accepts_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    return any(_accepts_bool(a) for a in typing.get_args(annotation))
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # no inf/nan anywhere: a non-finite learning rate or coefficient only shows up later as NaN losses
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's true/false are not the numbers 1/0: a boolean is accepted only where the key is a boolean."""
+        if isinstance(value, bool) and not _accepts_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, not the boolean {str(value).lower()}")
+        return value
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback IP address (127.0.0.0/8, ::1)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 # ----------------------------------------------------------------------------------------------------------- model
@@ -124,6 +154,15 @@ class RetrieverConfig(_Section):
     limits: RetrieverLimits = RetrieverLimits()
     client: SearchClientConfig = SearchClientConfig()
 
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: Optional[str]) -> Optional[str]:
+        if url is not None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"must be an http:// or https:// URL with a host, got {url!r}")
+        return url
+
 
 # --------------------------------------------------------------------------------------------------------- rollout
 class RolloutConfig(_Section):
@@ -192,7 +231,7 @@ class AlgorithmConfig(_Section):
     policy_loss: Literal["ppo", "decoupled_ppo"] = "decoupled_ppo"
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
-    dual_clip_c: Optional[float] = Field(3.0, description="dual-clip constant for A<0 (None disables)")
+    dual_clip_c: Optional[float] = Field(3.0, gt=1.0, description="dual-clip constant for A<0, > 1 (None disables)")
     behavior_weight_mode: Literal["truncate", "mask"] = "truncate"
     behavior_weight_cap: float = Field(2.0, gt=1.0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
@@ -213,7 +252,9 @@ class RewardTerm(_Section):
 
 
 class RewardConfig(_Section):
-    terms: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="exact_match", weight=1.0)])
+    terms: list[RewardTerm] = Field(
+        default_factory=lambda: [RewardTerm(name="exact_match", weight=1.0)], min_length=1,
+        description="at least one term: with none every reward is 0 and nothing is learned")
 
 
 # --------------------------------------------------------------------------------------------------------- learner
@@ -225,7 +266,7 @@ class LearnerConfig(_Section):
     ppo_epochs: int = Field(1, ge=1)
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     grad_clip: float = Field(1.0, gt=0)
@@ -297,13 +338,22 @@ class EvalConfig(_Section):
 
 class MonitoringConfig(_Section):
     enabled: bool = True
-    host: str = "127.0.0.1"
+    allow_remote: bool = Field(False, description="allow a non-loopback monitoring.host (the metrics are unauthenticated)")
+    host: str = Field("127.0.0.1", description="bind address of the exporters: loopback unless allow_remote")
     exporter_port: int = Field(0, ge=0, le=65535, description="0 = free port per process")
     prometheus_sd_file: Optional[str] = Field(None, description="file-based service discovery targets (JSON)")
     log_every_s: float = Field(5.0, gt=0)
     final_scrape_timeout_s: float = Field(
         15.0, ge=0, description="at the end of a run, wait this long for Prometheus to scrape the last values "
         "(only if it has scraped the run before; 0 = don't wait)")
+
+    @field_validator("host")
+    @classmethod
+    def _loopback_unless_allowed(cls, host: str, info: ValidationInfo) -> str:
+        if not info.data.get("allow_remote") and not is_loopback(host):
+            raise ValueError(f"{host!r} is not a loopback address and the metrics endpoints are unauthenticated; "
+                             "set monitoring.allow_remote=true to expose them anyway")
+        return host
 
 
 class ClusterConfig(_Section):
@@ -470,7 +520,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):

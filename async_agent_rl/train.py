@@ -27,19 +27,30 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from async_agent_rl.config import Config
+from async_agent_rl.errors import InputError
 
 log = logging.getLogger(__name__)
 
 
 BUFFER_SNAPSHOT = "replay_buffer.snapshot"
 SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout actors this often
+SEARCH_ERROR_WARN_RATE = 0.5  # warn when more than this share of a step's searches failed (at least 4 of them)
+SEARCH_WARN_EVERY_S = 60.0
 DRIVER_STATE = "driver_state.json"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest ``checkpoints/step_N`` whose driver state was written (a crash mid-checkpoint leaves none)."""
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / DRIVER_STATE).is_file())
-    return done[-1] if done else None
+def latest_checkpoint(run_dir: Path) -> tuple[Path, list[str]]:
+    """The newest intact ``checkpoints/step_N`` (its manifest verified; a crash mid-checkpoint leaves only a
+    ``.step_N.tmp`` folder) and one line per damaged newer checkpoint skipped; ``InputError`` when there is none."""
+    from learner.checkpoint import CheckpointError, newest_intact
+
+    candidates = [p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()]
+    if not candidates:
+        raise InputError(f"{run_dir}: no checkpoint under checkpoints/ to resume from")
+    ckpt, skipped = newest_intact(candidates)
+    if ckpt is None:
+        raise CheckpointError(f"{run_dir}: no intact checkpoint to resume from: {'; '.join(skipped)}")
+    return ckpt, skipped
 
 
 class RunLog:
@@ -71,22 +82,34 @@ def _job_env_vars() -> dict[str, str] | None:
 
 
 def _ray_init(cfg: Config) -> None:
-    """Connect to ``cluster.ray_address`` (or the job's cluster under ``ray job submit``), else start a local Ray."""
+    """Connect to ``cluster.ray_address`` (or the job's cluster under ``ray job submit``), else start a local Ray.
+
+    Authentication is Ray's own token authentication and is never turned off here: a local ``ray.init`` turns it on
+    (creating ``~/.ray/auth_token`` once) and every process of the cluster, workers included, inherits it.
+    ``RAY_AUTH_MODE`` is never put into the workers' runtime env, which is what used to get them rejected. Ray binds
+    the local cluster's gRPC servers to every interface (it rewrites a loopback node address to the host's), so a
+    local cluster with authentication disabled would let anyone on the network run code here: refused.
+    """
     import ray
 
     if ray.is_initialized():
         return
-    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **cfg.cluster.env_vars}
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if not address and os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        raise InputError("RAY_AUTH_MODE=disabled would start a local Ray cluster that listens on every network "
+                         "interface without authentication; unset it (Ray then uses token authentication)")
+    if any(k.startswith("RAY_AUTH") for k in cfg.cluster.env_vars):
+        raise InputError("cluster.env_vars: RAY_AUTH_* must not be set per worker (workers whose mode differs from "
+                         "the cluster's are rejected); set it in the environment of `ray start` instead")
+    env = dict(cfg.cluster.env_vars)
     if cfg.run.device == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
     job_env = _job_env_vars()
     if job_env is not None:
-        # Ray refuses to merge a key the job's runtime env already sets; workers get RAY_AUTH_MODE from the raylet
-        env = {k: v for k, v in env.items() if k not in job_env and k != "RAY_AUTH_MODE"}
+        env = {k: v for k, v in env.items() if k not in job_env}  # Ray refuses to merge a key the job's env sets
         if not Path(cfg.run.output_dir).is_absolute():
             log.warning("run.output_dir=%r is relative: under `ray job submit` it lands in the job's temporary copy "
                         "of the working dir; pass an absolute run.output_dir to keep the run", cfg.run.output_dir)
-    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
@@ -141,7 +164,9 @@ def _eval_brief(rec: dict) -> dict:
 def closing_lines(summary: dict, start: dict | None, end: dict | None, plots: list[Path], run_dir: Path) -> list[str]:
     """The run's last lines on the terminal: held-out exact match from the start to the end, by question kind, and
     where the results are."""
-    lines = [f"[done] {summary['steps']} RL steps in {_duration(summary['train_seconds'])}"]
+    failed = f", {summary['search_errors']} failed" if summary.get("search_errors") else ""
+    lines = [f"[done] {summary['steps']} RL steps in {_duration(summary['train_seconds'])}; "
+             f"{summary.get('searches', 0)} searches{failed}"]
     if start and end:
         for kind in [k for k in end if isinstance(end[k], dict) and "exact_match" in end[k]]:
             a, b = start.get(kind), end[kind]
@@ -240,6 +265,7 @@ class Trainer:
         self.resume_from: Path | None = None
         self.learning = LearningSignals()
         self.first_step: int | None = None  # the step the RL loop started from (a resumed run: its checkpoint's)
+        self._search_warned_at = -SEARCH_WARN_EVERY_S
 
     # --------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -394,7 +420,8 @@ class Trainer:
         if self.mon is not None:
             self.mon.learning.update(record["learning"])
         for warning in self.learning.warnings():
-            self.log.say(f"[warning] {warning}")
+            self.log.say(f"[warn] {warning}")
+        self._warn_search_errors(record)
         self.history.append(record)
         self.log.write("metrics.jsonl", record)
         self.log.say(self._step_line(record, metrics, t0))
@@ -472,12 +499,16 @@ class Trainer:
                 "finished": r.get("finished", 0),
                 "em_sum": r.get("reward_component_sums", {}).get("exact_match", 0.0),
                 "generated_tokens": r.get("generated_tokens", 0),
+                "searches": r.get("searches", 0),
+                "search_errors": r.get("search_errors", 0),
             }
             for r in rollout
         }
         finished = self.retired.get("finished", 0) + sum(a["finished"] for a in per_actor.values())
         em_sum = self.retired.get("em_sum", 0.0) + sum(a["em_sum"] for a in per_actor.values())
         generated = self.retired.get("generated_tokens", 0) + sum(a["generated_tokens"] for a in per_actor.values())
+        searches = self.retired.get("searches", 0) + sum(a["searches"] for a in per_actor.values())
+        search_errors = self.retired.get("search_errors", 0) + sum(a["search_errors"] for a in per_actor.values())
         prev = self.history[-1] if self.history else {"episodes_total": 0, "em_sum_total": 0.0}
         new_eps = finished - prev["episodes_total"]
         return {
@@ -489,6 +520,8 @@ class Trainer:
             "episodes_total": int(finished),
             "em_sum_total": em_sum,
             "generated_tokens_total": generated,
+            "searches_total": int(searches),
+            "search_errors_total": int(search_errors),
             "episodes_per_s": finished / elapsed if elapsed > 0 else 0.0,
             "gen_tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
             "per_actor": per_actor,
@@ -501,6 +534,20 @@ class Trainer:
             "learner": metrics,
             "publish": publish,
         }
+
+    def _warn_search_errors(self, record: dict) -> None:
+        """A run whose searches fail (``retriever.url`` pointing nowhere, a retriever down) still trains, on error
+        observations: say so while it runs, at most once a minute."""
+        prev = self.history[-1] if self.history else {}
+        searches = record["searches_total"] - prev.get("searches_total", 0)
+        errors = record["search_errors_total"] - prev.get("search_errors_total", 0)
+        now = time.monotonic()
+        if searches >= 4 and errors > SEARCH_ERROR_WARN_RATE * searches and now - self._search_warned_at >= SEARCH_WARN_EVERY_S:
+            self._search_warned_at = now
+            msg = (f"{errors} of {searches} searches failed since the last step (retriever {self.url}); the policy "
+                   "trains on error observations")
+            log.warning(msg)
+            self.log.say(f"[warn] {msg}")
 
     def evaluate(self, when: str) -> dict:
         import ray
@@ -528,26 +575,45 @@ class Trainer:
     def checkpoint(self) -> str:
         """Learner checkpoint (policy, DeepSpeed state, RNG), buffer snapshot and the driver's counters, written
         into ``checkpoints/step_N``; ``train --resume RUN_DIR`` continues from the newest complete one."""
+        import shutil
+
         import ray
 
-        path = Path(self.learner.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}"))
-        ray.get(self.buffer.snapshot.remote(str(path / BUFFER_SNAPSHOT)))
+        from learner.checkpoint import commit_checkpoint
+
+        final = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        tmp = final.with_name(f".{final.name}.tmp")  # written here, renamed into place once complete
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.learner.save_checkpoint(tmp)
+        ray.get(self.buffer.snapshot.remote(str(tmp / BUFFER_SNAPSHOT)))
         state = {"step": self.step, "version": self.version, "restarts": self.restarts,
                  "lost_episodes": self.lost_episodes, "retired": self.retired}  # fmt: skip
-        (path / DRIVER_STATE).write_text(json.dumps(state))  # written last: marks the checkpoint complete
+        (tmp / DRIVER_STATE).write_text(json.dumps(state))
+        path = commit_checkpoint(tmp, final)  # checksum manifest last, then the rename
         self.log.say(f"[checkpoint] {path}")
         return str(path)
 
     @classmethod
     def resume(cls, run_dir: str | Path, quiet: bool = False) -> "Trainer":
-        """A trainer for ``run_dir`` that continues from its newest complete checkpoint (config from the run)."""
+        """A trainer for ``run_dir`` that continues from its newest intact checkpoint (config from the run). Damaged
+        newer checkpoints are skipped with a warning; a checkpoint whose config differs from the run's on anything
+        the saved state depends on is an error naming the keys."""
+        import yaml
+
         from async_agent_rl.config import load_config
+        from learner.checkpoint import CONFIG_FILE, CheckpointError, config_differences
 
         run_dir = Path(run_dir)
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise FileNotFoundError(f"{run_dir}: no complete checkpoint under checkpoints/ to resume from")
-        trainer = cls(load_config(run_dir / "config.yaml"), run_dir, quiet)
+        if not (run_dir / "config.yaml").is_file():
+            raise InputError(f"{run_dir}: not a run folder (no config.yaml)")
+        cfg = load_config(run_dir / "config.yaml")
+        ckpt, skipped = latest_checkpoint(run_dir)
+        diff = config_differences(yaml.safe_load((ckpt / CONFIG_FILE).read_text()), cfg.to_dict())
+        if diff:
+            raise CheckpointError(f"{ckpt} does not match {run_dir / 'config.yaml'}: {'; '.join(diff)}")
+        trainer = cls(cfg, run_dir, quiet)
+        for line in skipped:
+            trainer.log.say(f"[resume] warning: skipped a damaged checkpoint: {line}")
         trainer.resume_from = ckpt
         return trainer
 
@@ -555,21 +621,32 @@ class Trainer:
         """Load the checkpoint into the learner and buffer; drop the metrics of steps that will be redone."""
         import ray
 
+        from learner.checkpoint import check_model_matches
+
         ckpt = self.resume_from
         state = json.loads((ckpt / DRIVER_STATE).read_text())
+        check_model_matches(ckpt, self.policy_path)
         self.learner.load_checkpoint(ckpt)
         ray.get(self.buffer.restore.remote(str(ckpt / BUFFER_SNAPSHOT)))
         self.step, self.version = state["step"], state["version"]
         self.restarts, self.lost_episodes, self.retired = state["restarts"], state["lost_episodes"], state["retired"]
         metrics = self.run_dir / "metrics.jsonl"
-        kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+        kept = []
+        for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+            try:
+                if json.loads(line)["step"] <= self.step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line cut off by the crash: its step is redone anyway
+                self.log.say(f"[resume] dropped an unreadable line of {metrics}")
         metrics.write_text("".join(line + "\n" for line in kept))
         self.history = [json.loads(line) for line in kept]
         # episodes counted before the crash are history now: the new actors count from zero
         if self.history:
             last = self.history[-1]
             self.retired = {"finished": last["episodes_total"], "em_sum": last["em_sum_total"],
-                            "generated_tokens": last.get("generated_tokens_total", 0)}  # fmt: skip
+                            "generated_tokens": last.get("generated_tokens_total", 0),
+                            "searches": last.get("searches_total", 0),
+                            "search_errors": last.get("search_errors_total", 0)}  # fmt: skip
         self.log.say(f"[resume] {ckpt}: step {self.step}, version {self.version}")
 
     def save(self, directory: Path) -> str:
@@ -585,6 +662,8 @@ class Trainer:
             "final_policy": str(Path(final) / "policy"),
             "episodes": self.history[-1]["episodes_total"] if self.history else 0,
             "episodes_failed": sum(r.get("failed", 0) for r in rollout),
+            "searches": self.history[-1]["searches_total"] if self.history else 0,
+            "search_errors": self.history[-1]["search_errors_total"] if self.history else 0,
             "actor_restarts": dict(self.restarts),
             "lost_episodes": self.lost_episodes,
         }
@@ -594,6 +673,8 @@ class Trainer:
         if end:
             s["exact_match_end"] = end["all"]["exact_match"]
             s["eval_end"] = _eval_brief(end)
+        if s["search_errors"] > SEARCH_ERROR_WARN_RATE * s["searches"] > 0:
+            self.log.say(f"[warn] {s['search_errors']} of {s['searches']} searches in this run failed")
         return s
 
     def plots(self) -> list[Path]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 
@@ -107,7 +106,6 @@ def main() -> None:
     args = ap.parse_args()
     args.push_batch -= args.push_batch % args.group_size  # admission grants whole groups
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = build_config(
         {

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import tempfile
@@ -103,7 +102,6 @@ def bench_publish(cfg: Config, learner, publishes: int) -> dict:
         async def update_weights(self, version: int, weights):
             return await self.engine.update_weights(version, weights, mode="pause")
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         host = ray.remote(num_cpus=0)(EngineHost).options(runtime_env={"env_vars": VLLM_ENV}).remote()

@@ -50,6 +50,7 @@ import msgpack
 import numpy as np
 
 from async_agent_rl.config import BufferConfig
+from async_agent_rl.errors import InputError
 from async_agent_rl.records import OBS_VERSION, SCHEMA_VERSION, RecordError, Trajectory
 from async_agent_rl.staleness import group_min_version, is_stale, staleness
 
@@ -65,7 +66,7 @@ class CapacityError(ValueError):
     """A trajectory is longer than ``capacity_tokens``: it could never fit."""
 
 
-class SnapshotError(ValueError):
+class SnapshotError(InputError):
     """A snapshot file is missing, truncated, corrupt or incompatible; the message names the file."""
 
 

@@ -16,29 +16,47 @@ rate is a function of the step and the shuffle of (seed, step, epoch), so neithe
 model is not saved: it is the model at ``model.path``, which a resumed learner loads again.
 
 Everything this module writes itself is JSON or safetensors; DeepSpeed's own files are torch pickles that it writes
-and reads locally.
+and reads locally: loading a checkpoint unpickles them, so resume only from checkpoints you wrote yourself.
+
+Integrity (the driver's ``checkpoints/step_N``): the whole folder is written under a temporary name, then
+``MANIFEST.json`` (size and sha256 of every file) is written last, and the folder is renamed into place.
+``verify_manifest`` re-reads every file against it; ``newest_intact`` picks the newest checkpoint that passes,
+with one warning per damaged one skipped; ``config_differences`` names the keys where a checkpoint's config and a
+run's config disagree on something the saved state depends on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import random
+import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 import torch
 
+from async_agent_rl.errors import InputError
 from learner.learner import require_finite
 
 if TYPE_CHECKING:
     from learner.learner import Learner
+
+log = logging.getLogger(__name__)
 
 POLICY_DIR = "policy"
 ENGINE_DIR = "deepspeed"
 STATE_FILE = "learner_state.json"
 CONFIG_FILE = "config.yaml"
 RNG_DIR = "rng"
+MANIFEST = "MANIFEST.json"
+
+
+class CheckpointError(InputError):
+    """A checkpoint is incomplete, damaged or does not match the run; the message names the file or keys."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -112,3 +130,107 @@ def load_checkpoint(learner: "Learner", directory: str | Path) -> None:
     state = json.loads((directory / STATE_FILE).read_text())
     learner.step, learner.version = int(state["step"]), int(state["version"])
     set_rng_state(json.loads((directory / RNG_DIR / f"rank{learner.rank}.json").read_text()))
+
+
+# --------------------------------------------------------------------------------------------------- integrity
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(directory: str | Path) -> Path:
+    """Size and sha256 of every file under ``directory`` into ``MANIFEST.json``, written (and synced) last."""
+    directory = Path(directory)
+    files = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}  # fmt: skip
+    tmp = directory / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    return directory / MANIFEST
+
+
+def verify_manifest(directory: str | Path) -> None:
+    """Raise :class:`CheckpointError` naming the first file that is missing or differs from ``MANIFEST.json``."""
+    directory = Path(directory)
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{directory}: no {MANIFEST} (incomplete, or written by an older version)")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest}: unreadable ({e})") from None
+    for rel, want in files.items():
+        path = directory / rel
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes, the manifest says {want['bytes']} (truncated or replaced)")
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch (the file is damaged)")
+
+
+def commit_checkpoint(tmp_dir: str | Path, final_dir: str | Path) -> Path:
+    """Seal a checkpoint written into ``tmp_dir``: manifest last, then one rename to ``final_dir`` (a stale or
+    damaged folder of that name, e.g. from before a resume, is replaced)."""
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    write_manifest(tmp_dir)
+    if final_dir.exists():
+        shutil.rmtree(final_dir)
+    os.rename(tmp_dir, final_dir)
+    return final_dir
+
+
+def newest_intact(candidates: Iterable[Path]) -> tuple[Path | None, list[str]]:
+    """The newest (last in sort order) checkpoint that passes ``verify_manifest``, and one line per damaged newer
+    one that was skipped (each also logged as a warning)."""
+    skipped: list[str] = []
+    for ckpt in sorted(candidates, reverse=True):
+        try:
+            verify_manifest(ckpt)
+            return ckpt, skipped
+        except CheckpointError as e:
+            skipped.append(str(e))
+            log.warning("skipping damaged checkpoint %s: %s", ckpt.name, e)
+    return None, skipped
+
+
+# keys the saved state depends on: a difference here fails inside DeepSpeed with dozens of size mismatches
+STATE_KEYS = ("model.init", "model.dtype", "learner.zero_stage", "learner.num_ranks", "learner.dtype",
+              "algorithm.advantage_estimator", "rollout.group_size")  # fmt: skip
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any], keys: Iterable[str] = STATE_KEYS) -> list[str]:
+    """``"key: checkpoint X, run Y"`` for every key under ``keys`` where the two config trees differ."""
+    a, b = _flatten(saved), _flatten(current)
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if any(k == key or k.startswith(key + ".") for key in keys) and a.get(k) != b.get(k):
+            out.append(f"{k}: checkpoint {a.get(k)!r}, run {b.get(k)!r}")
+    return out
+
+
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads")  # fmt: skip
+
+
+def check_model_matches(ckpt: str | Path, model_path: str | Path) -> None:
+    """The checkpoint's policy and the run's starting model have the same architecture, else a
+    :class:`CheckpointError` naming the differing ``config.json`` keys."""
+    saved = json.loads((Path(ckpt) / POLICY_DIR / "config.json").read_text())
+    current = json.loads((Path(model_path) / "config.json").read_text())
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, model {current.get(k)!r}" for k in ARCH_KEYS if saved.get(k) != current.get(k)]
+    if diff:
+        raise CheckpointError(f"checkpoint {ckpt} does not fit the model at {model_path}: {'; '.join(diff)}")

@@ -6,5 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${AAR_VENV:-.venv}/bin/activate"
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 exec async-agent-rl train --config configs/quickstart.yaml "$@"

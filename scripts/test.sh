@@ -7,6 +7,5 @@ bash scripts/install_prometheus.sh  # the real Prometheus the monitoring tests s
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${AAR_VENV:-.venv}/bin/activate"
-export RAY_AUTH_MODE=disabled
 if [ "$#" -eq 0 ]; then set -- tests; fi
 exec python -m pytest -q -rs --durations=15 "$@"

@@ -15,3 +15,18 @@ def world_overrides(world_dir: Path, model_dir: Path) -> list[str]:
         f"data.test_files={json.dumps([str(world_dir / 'test.parquet')])}",
         f"data.corpus_file={world_dir / 'corpus.jsonl'}", "data.prompt_template=minimal",
     ]
+
+
+def shm_weight_dirs() -> set[Path]:
+    """The engines' temporary copies of the policy: ``/dev/shm/aar_weights_<owner pid>_*``."""
+    return set(Path("/dev/shm").glob("aar_weights_*"))
+
+
+def leaked_weight_dirs(before: set[Path], pids: set[int]) -> list[Path]:
+    """Weight folders that appeared since ``before`` and are left now: those owned by one of ``pids``, and those
+    that name no owner (only code from before issue 13 made such folders)."""
+    def owner(d: Path) -> int | None:
+        part = d.name[len("aar_weights_"):].split("_", 1)[0]
+        return int(part) if part.isdigit() and "_" in d.name[len("aar_weights_"):] else None
+
+    return sorted(d for d in shm_weight_dirs() - before if d.exists() and owner(d) in pids | {None})

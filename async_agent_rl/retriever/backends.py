@@ -25,11 +25,12 @@ import numpy as np
 import Stemmer
 
 from async_agent_rl.data.corpus import Passage, TitledContents
+from async_agent_rl.errors import InputError
 
 logger = logging.getLogger(__name__)
 
 INDEX_META_FILE = "retriever_index.json"
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2  # 2: the fingerprint hashes the whole corpus (1: only its size, first and last rows)
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,16 @@ class SearchBackend(Protocol):
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]: ...
 
 
-class IndexMismatchError(ValueError):
+class IndexMismatchError(InputError):
     """An index directory does not belong to the given corpus or backend, or is not an index at all."""
 
 
 def corpus_fingerprint(passages: Sequence[Passage]) -> str:
-    """A cheap identity of a corpus: its size and its first and last passages (sha256, hex)."""
+    """The identity of a corpus: a streaming sha256 (hex) over every passage's id and contents, in order, and
+    the count. Any changed, added, removed or reordered passage changes it."""
     h = hashlib.sha256(str(len(passages)).encode())
-    for p in (passages[:1] + passages[-1:]) if passages else ():
-        h.update(b"\0" + p.id.encode() + b"\0" + p.contents.encode())
+    for p in passages:
+        h.update(b"\0" + p.id.encode() + b"\0" + p.contents.encode() + b"\1")
     return h.hexdigest()
 
 
@@ -80,6 +82,9 @@ def read_index_meta(index_dir: str | Path) -> dict[str, Any]:
 
 def _check_meta(index_dir: Path, backend: str, passages: Sequence[Passage]) -> dict[str, Any]:
     meta = read_index_meta(index_dir)
+    if meta.get("format") != INDEX_FORMAT_VERSION:
+        raise IndexMismatchError(f"{index_dir} is an index of format {meta.get('format')}, this version reads "
+                                 f"format {INDEX_FORMAT_VERSION}; rebuild it with `retriever index`")
     if meta.get("backend") != backend:
         raise IndexMismatchError(f"{index_dir} holds a {meta.get('backend')!r} index, not {backend!r}")
     if meta.get("num_passages") != len(passages) or meta.get("corpus_fingerprint") != corpus_fingerprint(passages):

@@ -14,6 +14,7 @@ import time
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits
 from async_agent_rl.data.corpus import CorpusError, PassageList, read_corpus
+from async_agent_rl.errors import error_line
 from async_agent_rl.retriever.backends import build_backend, open_backend
 from async_agent_rl.retriever.server import serve_until_signalled
 
@@ -119,4 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     register(parser.add_subparsers(dest="command", required=True))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser.parse_args(["retriever", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as e:  # the project CLI's mapping: one error: line for a known failure (a busy port, ...)
+        line = error_line(e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2

@@ -38,10 +38,12 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any, AsyncIterator, Callable
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits
+from async_agent_rl.errors import InputError
 from async_agent_rl.retriever.backends import Hit, SearchBackend
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,8 @@ def parse_retrieve_request(body: bytes, default_topk: int, limits: RetrieverLimi
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(400, "malformed_json", f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # the parser recurses per nesting level: tens of thousands of "[" exhaust the stack
+        raise RequestError(400, "malformed_json", "request body is JSON nested too deeply to parse") from None
     if not isinstance(payload, dict):
         raise RequestError(400, "bad_type", f"request body must be a JSON object, got {type(payload).__name__}")
     queries = payload.get("queries")
@@ -328,6 +332,8 @@ def create_app(
                 raise RequestError(
                     413, "body_too_large", f"request body exceeds the limit of {limits.max_body_bytes} bytes"
                 ) from None
+            except (ConnectionError, aiohttp.ClientPayloadError):  # the client hung up before its body was in
+                raise ClientGone() from None
             req = parse_retrieve_request(body, config.topk, limits)
             hits = await batcher.search(req.queries, req.topk, alive=lambda: not _disconnected(request))
             response = web.Response(
@@ -396,7 +402,10 @@ async def serve(
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # e.g. the port is in use: name the address (errno kept for the CLI's error line)
+            raise OSError(e.errno, f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
         host, port = runner.addresses[0][:2]
         yield f"http://{host}:{port}"
     finally:
@@ -481,12 +490,8 @@ class ServerProcess:
         """``log_file``: the child's stderr (its log lines) goes there instead of this process' stderr."""
         self.argv = argv
         self.log_file = Path(log_file) if log_file is not None else None
-        stderr = self.log_file.open("a") if self.log_file is not None else None
-        try:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        finally:
-            if stderr is not None:
-                stderr.close()  # the child holds its own copy
+        self.error: str | None = None  # the child's own `error:` line, raised here instead of printed
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: Queue[str | None] = Queue()
 
         def pump() -> None:  # keep draining stdout so the child never blocks on a full pipe
@@ -495,7 +500,23 @@ class ServerProcess:
                 lines.put(line)
             lines.put(None)
 
+        def pump_stderr() -> None:  # the child's log goes on to ours, or to log_file
+            assert self.proc.stderr is not None
+            out = self.log_file.open("a") if self.log_file is not None else sys.stderr
+            try:
+                for line in self.proc.stderr:
+                    if line.startswith("error: "):
+                        self.error = line[len("error: "):].strip()
+                    else:
+                        out.write(line)
+                        out.flush()
+            finally:
+                if out is not sys.stderr:
+                    out.close()
+
         threading.Thread(target=pump, name="retriever-stdout", daemon=True).start()
+        stderr_thread = threading.Thread(target=pump_stderr, name="retriever-stderr", daemon=True)
+        stderr_thread.start()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -505,10 +526,11 @@ class ServerProcess:
                 raise TimeoutError(f"retrieval server did not start within {timeout_s} s: {' '.join(argv)}") from None
             if line is None:
                 code = self.proc.wait()
-                tail = ""
-                if self.log_file is not None and self.log_file.is_file():
-                    tail = "; its log ends:\n" + "".join(self.log_file.read_text().splitlines(True)[-10:])
-                raise RuntimeError(f"retrieval server exited with code {code} before listening: {' '.join(argv)}{tail}")
+                stderr_thread.join(5)
+                if self.error is not None:
+                    raise InputError(f"retrieval server: {self.error}")
+                where = f"; its log: {self.log_file}" if self.log_file is not None else ""
+                raise RuntimeError(f"retrieval server exited with code {code} before listening: {' '.join(argv)}{where}")
             match = _LISTENING.search(line)
             if match:
                 self.url = match.group(1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 
@@ -25,7 +24,6 @@ ETA = 1
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # FIELD-NOTES: a local init would otherwise leave token auth behind
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield

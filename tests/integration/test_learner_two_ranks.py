@@ -4,7 +4,6 @@ work is split, not the update)."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # FIELD-NOTES: a local init would otherwise leave token auth behind
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -1,8 +1,10 @@
 """``ray job submit`` against a real ``ray start --head`` cluster: a short training runs to completion as a job.
 
 The cluster is this test's own: ``ray start --head`` from the venv (so the job's bare ``async-agent-rl`` is the
-venv's), its own ``--temp-dir`` and free ports, the dashboard (job server) on 127.0.0.1, ``RAY_AUTH_MODE=disabled``
-(see docs/OPERATIONS.md, "ray job submit"). The job is submitted with ``--working-dir .`` (the repository, without
+venv's), its own ``--temp-dir`` and free ports, the dashboard (job server) on 127.0.0.1, and Ray's token
+authentication on (``RAY_AUTH_MODE=token`` with the test's own token file in ``RAY_AUTH_TOKEN_PATH``, so the user's
+``~/.ray/auth_token`` is neither read nor written; see docs/OPERATIONS.md, "ray job submit"). The ``ray job`` CLI
+reads the token from that file; without it, or with another token, the job server refuses the request. The job is submitted with ``--working-dir .`` (the repository, without
 ``.venv``/``runs``/``.git``: Ray honours ``.gitignore`` and its default excludes), polled with ``ray job status``
 until it ends, and its run folder checked.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -125,9 +128,14 @@ def ray_cluster():
     """A head node of our own: ``(dashboard_url, env, temp_dir)``; torn down whatever happens."""
     # A short path: Ray's unix sockets live under it (the AF_UNIX limit is ~107 characters).
     temp_dir = Path(tempfile.mkdtemp(prefix="aar-ray-"))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "VIRTUAL_ENV": str(VENV_BIN.parent), "PYTHONUNBUFFERED": "1"}
+    token = temp_dir / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(VENV_BIN.parent),
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN", None)
     dash = free_port()
     cmd = [ray_cli(), "start", "--head", f"--port={free_port()}", "--num-cpus=2", "--include-dashboard=true",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
@@ -155,6 +163,13 @@ def ray_cluster():
             if time.monotonic() > deadline:
                 pytest.fail(f"the job server on {url} did not answer within 90 s:\n{res.stdout}\n{res.stderr}")
             time.sleep(2)
+        # authentication is enforced: no token, or another one, is refused
+        wrong = temp_dir / "wrong_token"
+        wrong.write_text(secrets.token_hex(32))
+        for bad_env in ({**env, "RAY_AUTH_TOKEN_PATH": str(wrong)},
+                        {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}):  # fmt: skip
+            res = run([ray_cli(), "job", "list", "--address", url], bad_env, timeout_s=60, check=False)
+            assert res.returncode != 0 and "Authentication" in res.stdout + res.stderr, res.stdout + res.stderr
         yield url, env, temp_dir
     finally:
         stop_cluster(temp_dir, sid)

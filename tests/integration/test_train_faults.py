@@ -17,7 +17,7 @@ import pytest
 
 from async_agent_rl.config import load_config
 from async_agent_rl.plots import read_jsonl
-from tests.helpers import world_overrides
+from tests.helpers import leaked_weight_dirs, shm_weight_dirs, world_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,16 +75,19 @@ def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir
     cfg = small_config(tmp_path, world_dir, tiny_model_dir, "learner.total_steps=4", "learner.checkpoint_every=2")
     cfg_file = cfg.save(tmp_path / "cfg.yaml")
     run_dir = tmp_path / "run"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = dict(os.environ)
     log = open(tmp_path / "first.log", "w")
     proc = subprocess.Popen(_train_cmd("--config", str(cfg_file)), cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    pids: set[int] = set()  # every process of the crashed run (the owners of its /dev/shm weight copies)
+    shm_before = shm_weight_dirs()
     try:
         marker = run_dir / "checkpoints" / "step_000002" / "driver_state.json"
         deadline = time.monotonic() + 420
         while not marker.is_file():
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint within the deadline"
+            pids |= _tree(proc.pid)
             time.sleep(0.5)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started: a crash
@@ -101,6 +104,18 @@ def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir
     assert rows[2]["version"] == 3  # the resumed learner continued from the checkpoint's version
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and Path(summary["final_policy"], "config.json").is_file()
+    # the crashed run's copies of the policy in /dev/shm are gone (removed after each reload, or swept since)
+    left = leaked_weight_dirs(shm_before, pids)
+    assert len(pids) > 5 and not left, left
+
+
+def _tree(pid: int) -> set[int]:
+    import psutil
+
+    try:
+        return {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+    except psutil.Error:
+        return set()
 
 
 def test_retriever_outage_degrades_to_error_observations_and_training_recovers(

@@ -5,7 +5,6 @@ new version stamped on its tokens. The publish latency is recorded."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -47,7 +46,6 @@ class EngineHost:
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # FIELD-NOTES: a local init would otherwise leave token auth behind
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield

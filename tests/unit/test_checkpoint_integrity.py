@@ -1,0 +1,130 @@
+"""Issue 13, cause 6: resume verifies checkpoints (a checksum manifest written last, the folder renamed into place),
+skips damaged ones with a warning for the newest intact one, and refuses a checkpoint whose config no longer matches
+the run, naming the keys. Checkpoint folders here are laid out like the driver's, with stand-in file contents; the
+real save/resume round trip is in tests/integration/test_bad_inputs_run.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from async_agent_rl.cli import main
+from async_agent_rl.config import load_config
+from learner.checkpoint import CheckpointError, commit_checkpoint, config_differences, newest_intact, verify_manifest
+
+FILES = {
+    "policy/model.safetensors": os.urandom(4096),
+    "policy/config.json": b'{"model_type": "qwen2", "hidden_size": 128}',
+    "deepspeed/policy/mp_rank_00_model_states.pt": os.urandom(2048),
+    "replay_buffer.snapshot": os.urandom(1024),
+    "driver_state.json": json.dumps({"step": 1, "version": 1}).encode(),
+}
+
+
+def make_run(tmp_path: Path, steps=(1, 2), overrides=()) -> Path:
+    run = tmp_path / "run"
+    cfg = load_config(None, list(overrides))
+    cfg.save(run / "config.yaml")
+    for step in steps:
+        tmp = run / "checkpoints" / f".step_{step:06d}.tmp"
+        for rel, data in FILES.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
+        cfg.save(tmp / "config.yaml")
+        commit_checkpoint(tmp, run / "checkpoints" / f"step_{step:06d}")
+    return run
+
+
+def truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def random_bytes(p: Path) -> None:
+    p.write_bytes(os.urandom(p.stat().st_size))
+
+
+def flip_byte(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def half_json(p: Path) -> None:
+    p.write_text(p.read_text()[:7])
+
+
+DAMAGE = [
+    ("policy/model.safetensors", truncate, "bytes"),
+    ("deepspeed/policy/mp_rank_00_model_states.pt", random_bytes, "checksum mismatch"),
+    ("replay_buffer.snapshot", flip_byte, "checksum mismatch"),
+    ("driver_state.json", half_json, "bytes"),
+    ("policy/config.json", os.remove, "missing"),
+]
+
+
+@pytest.mark.parametrize("rel,damage,says", DAMAGE, ids=[d[0] + ":" + d[1].__name__ for d in DAMAGE])
+def test_damage_is_found_and_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, rel, damage, says):
+    run = make_run(tmp_path)
+    newest = run / "checkpoints" / "step_000002"
+    verify_manifest(newest)
+    damage(newest / rel)
+    with pytest.raises(CheckpointError) as e:
+        verify_manifest(newest)
+    assert str(newest / rel) in str(e.value) and says in str(e.value)
+    picked, skipped = newest_intact((run / "checkpoints").glob("step_*"))
+    assert picked == run / "checkpoints" / "step_000001"
+    assert len(skipped) == 1 and str(newest / rel) in skipped[0]
+
+
+def test_no_intact_checkpoint_is_one_error_line(tmp_path, capsys):
+    run = make_run(tmp_path)
+    truncate(run / "checkpoints" / "step_000001" / "policy" / "model.safetensors")
+    flip_byte(run / "checkpoints" / "step_000002" / "replay_buffer.snapshot")
+    (run / "checkpoints" / ".step_000003.tmp").mkdir()  # a crash mid-checkpoint: never a candidate
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    assert "no intact checkpoint" in err and "model.safetensors" in err and "replay_buffer.snapshot" in err
+
+
+def test_checkpoint_without_manifest_is_not_trusted(tmp_path):
+    run = make_run(tmp_path, steps=(1,))
+    (run / "checkpoints" / "step_000001" / "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointError, match="no MANIFEST.json"):
+        verify_manifest(run / "checkpoints" / "step_000001")
+
+
+def test_config_that_no_longer_matches_the_checkpoint_names_the_keys(tmp_path, capsys):
+    run = make_run(tmp_path)
+    edited = load_config(run / "config.yaml", ["model.init.hidden_size=256", "learner.zero_stage=2",
+                                                "learner.total_steps=99"])  # fmt: skip
+    edited.save(run / "config.yaml")
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    assert "model.init.hidden_size: checkpoint 128, run 256" in err and "learner.zero_stage" in err
+    assert "total_steps" not in err  # more steps is what a resume is for: not a mismatch
+
+
+def test_config_differences_ignore_keys_the_state_does_not_depend_on():
+    a = load_config(None).to_dict()
+    b = load_config(None, ["eval.num_questions=5", "model.path=elsewhere", "learner.lr=1e-3"]).to_dict()
+    assert config_differences(a, b) == []
+
+
+def test_commit_replaces_a_stale_folder_of_the_same_step(tmp_path):
+    run = make_run(tmp_path, steps=(1,))
+    truncate(run / "checkpoints" / "step_000001" / "policy" / "model.safetensors")
+    make_run(tmp_path, steps=(1,))  # the step redone after a fallback writes it again
+    verify_manifest(run / "checkpoints" / "step_000001")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def test_a_run_without_checkpoints_is_one_error_line(tmp_path, capsys):
+    run = make_run(tmp_path, steps=())
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "no checkpoint under checkpoints/" in err and "Traceback" not in err, err

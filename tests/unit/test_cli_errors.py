@@ -1,0 +1,128 @@
+"""Issue 13, cause 3: every CLI failure on bad input is one ``error: ...`` line naming the file, row or key, and
+exit status 2; never a traceback. The CLI runs in-process (``main(argv)``); nothing here starts Ray, an engine or
+a server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from async_agent_rl.cli import main
+from async_agent_rl.data.search_r1 import QAExample, write_qa_parquet
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def assert_one_error_line(code: int, err: str, *names: str) -> None:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err, err
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    good = QAExample(id="q1", question="Where is X?", gold_answers=["Paris"])
+    write_qa_parquet(tmp_path / "zero_rows.parquet", [])
+    out["zero_rows"] = tmp_path / "zero_rows.parquet"
+    write_qa_parquet(tmp_path / "empty_target.parquet", [good, QAExample(id="q2", question="Who?", gold_answers=["  "])])
+    out["empty_target"] = tmp_path / "empty_target.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "prompt": None}]), tmp_path / "no_prompt.parquet")
+    out["no_prompt"] = tmp_path / "no_prompt.parquet"
+    (tmp_path / "not_parquet.parquet").write_bytes(b"PAR1 this is not parquet")
+    out["not_parquet"] = tmp_path / "not_parquet.parquet"
+    (tmp_path / "latin1.yaml").write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    out["latin1"] = tmp_path / "latin1.yaml"
+    (tmp_path / "episodes.jsonl").write_text(json.dumps({"not": "an episode"}) + "\n{truncated\n")
+    out["bad_episodes"] = tmp_path / "episodes.jsonl"
+    (tmp_path / "empty_run").mkdir()
+    out["empty_run"] = tmp_path / "empty_run"
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    out["model"] = tmp_path / "model"
+    return out
+
+
+def test_missing_and_unreadable_files_name_the_file(files, tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    assert_one_error_line(*run_cli(["show", str(missing)], capsys), str(missing))
+    assert_one_error_line(*run_cli(["show", str(files["bad_episodes"])], capsys), str(files["bad_episodes"]), ":1:")
+    assert_one_error_line(*run_cli(["config", "show", "--config", str(files["latin1"])], capsys),
+                          str(files["latin1"]), "UTF-8")  # fmt: skip
+
+
+def test_resume_from_a_missing_or_empty_folder(files, tmp_path, capsys):
+    missing = tmp_path / "no_such_run"
+    assert_one_error_line(*run_cli(["train", "--resume", str(missing)], capsys), str(missing))
+    assert_one_error_line(*run_cli(["train", "--resume", str(files["empty_run"])], capsys), str(files["empty_run"]))
+
+
+def test_eval_checkpoint_that_does_not_exist_is_not_sent_to_the_hub(tmp_path, capsys):
+    missing = tmp_path / "final" / "policy"
+    code, err = run_cli(["eval", "--checkpoint", str(missing), "--config", QUICKSTART], capsys)
+    assert_one_error_line(code, err, str(missing))
+    code, err = run_cli(["eval", "--checkpoint", "org/model-name", "--config", QUICKSTART], capsys)
+    assert_one_error_line(code, err, "org/model-name")
+
+
+@pytest.mark.parametrize("name,expect", [
+    ("zero_rows", "no rows"), ("empty_target", "row 1"), ("no_prompt", "row 0"), ("not_parquet", "parquet"),
+])  # fmt: skip
+def test_data_format_errors_name_the_file_and_row(files, capsys, name, expect):
+    argv = ["eval", "--checkpoint", str(files["model"]), "--data", str(files[name]), "--config", QUICKSTART]
+    assert_one_error_line(*run_cli(argv, capsys), str(files[name]), expect)
+
+
+def test_bad_corpus_rows_name_the_line(tmp_path, capsys):
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "1", "contents": "\\"A\\"\\na"}\n{"id": "2", "contents": "\\"B\\"\\nb"}\n'
+                   '{"id": "1", "contents": "\\"C\\"\\nc"}\n')  # fmt: skip
+    argv = ["retriever", "index", "--corpus", str(dup), "--out", str(tmp_path / "idx")]
+    assert_one_error_line(*run_cli(argv, capsys), str(dup), "duplicate passage id '1'", ":3")
+
+
+def test_failures_inside_ray_actors_are_unwrapped_and_name_the_component():
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from async_agent_rl.data.search_r1 import DataFormatError
+    from async_agent_rl.errors import error_line
+
+    cause = DataFormatError("train.parquet: row 7: missing 'prompt'")
+    remote = RayTaskError("RolloutActor.setup", "Traceback (most recent call last):\n  ...", cause,
+                          proctitle="ray::RolloutActor.setup").as_instanceof_cause()  # what ray.get raises
+    line = error_line(remote)
+    assert line == "error: in RolloutActor.setup: train.parquet: row 7: missing 'prompt'"
+    bug = RayTaskError("LearnerActor.train_step", "Traceback ...", KeyError("logprobs"),
+                       proctitle="ray::LearnerActor.train_step").as_instanceof_cause()  # fmt: skip
+    assert error_line(bug) == "error: in LearnerActor.train_step: KeyError: 'logprobs'"
+    dead = RayActorError(error_msg="The actor died unexpectedly before finishing this task.\n\tclass_name: X")
+    assert error_line(dead) == "error: a Ray actor died: The actor died unexpectedly before finishing this task."
+    assert error_line(KeyError("x")) is None  # a bug in the driver itself is not dressed up as bad input
+
+
+def test_an_unexpected_exception_is_one_line_too(monkeypatch, capsys):
+    import async_agent_rl.cli as cli
+
+    def boom(args):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(cli, "cmd_config_show", boom)
+    code = main(["config", "show"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: unexpected KeyError: 'surprise' (rerun with -v for the traceback)"]
