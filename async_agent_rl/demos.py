@@ -308,35 +308,25 @@ def shuffled_world_observations(world_file: str | Path, copies: int, seed: int =
     Every name of the world (test subjects included) appears in the same contexts as in real observations, so a
     model pretrained on these texts learns to read the format and to copy any name; no true fact about any entity
     is taught (a value matches the truth only by chance, differently in every copy), so held-out answers stay
-    reachable only by searching.
+    reachable only by searching. With ``questions`` (``sft.pretrain_questions``) each group of documents is followed
+    by single-hop questions about them and their answers, one per document.
     """
-    from async_agent_rl.data.world import Entity, describe, questions_about
+    from async_agent_rl.data.world import describe, questions_about, read_entities, shuffle_facts
 
-    table = json.loads(Path(world_file).read_text())
-    by_kind: dict[str, list[str]] = {}
-    for name, row in table.items():
-        by_kind.setdefault(row["kind"], []).append(name)
+    entities = read_entities(world_file)
     rng = random.Random(seed)
     texts: list[str] = []
     for _ in range(copies):
-        passages = []
-        shuffled: dict[str, Entity] = {}
-        for kind, names in by_kind.items():
-            attrs = [a for a in table[names[0]] if a != "kind"]
-            columns = {a: [table[n][a] for n in names] for a in attrs}
-            for col in columns.values():
-                rng.shuffle(col)
-            for i, name in enumerate(names):
-                e = shuffled[name] = Entity(kind, name, {a: columns[a][i] for a in attrs})
-                passages.append(Passage(str(len(passages)), f'"{name}"\n{describe(e)}'))
+        world = shuffle_facts(entities, rng)
+        passages = [Passage(str(i), f'"{e.name}"\n{describe(e)}') for i, e in enumerate(world.values())]
         rng.shuffle(passages)
         i = 0
         while i < len(passages):
             k = rng.randint(1, max_docs)
             text = render_information(passages[i : i + k])
             if questions:  # reading exercises: single-hop questions about these documents, answered from them
-                shown = [shuffled[p.title.strip('"')] for p in passages[i : i + k]]
-                qs = [q for e in shown for q in questions_about(e, shuffled, rng, 0.0)]
+                shown = [world[p.title.strip('"')] for p in passages[i : i + k]]
+                qs = [q for e in shown for q in questions_about(e, world, rng, 0.0)]
                 text += "".join(f"\n{q.question} {q.answers[0]}" for q in rng.sample(qs, min(len(qs), len(shown))))
             texts.append(text)
             i += k
