@@ -51,9 +51,9 @@ class _NoSpansLLM:
         yield SimpleNamespace(outputs=[comp])
 
 
-def test_tokens_without_version_spans_get_the_version_the_request_started_at(tmp_path):
+def test_tokens_without_version_spans_get_the_version_the_request_started_at():
     llm = _NoSpansLLM()
-    engine = VLLMEngine(llm, 3, tmp_path, "cpu", params={}, aliases=set())
+    engine = VLLMEngine(llm, 3, "cpu", params={}, aliases=set())
     llm.engine = engine
     out = asyncio.run(engine.generate(TurnRequest(prompt_ids=[1, 2], max_tokens=2)))
     assert out.versions == [3, 3] and engine.version == 4

@@ -198,14 +198,18 @@ def test_gae_critic_learns_and_plain_ppo_skips_the_proximal_pass(tiny_model_dir,
 
 def test_a_diverged_step_stops_training_and_nothing_non_finite_is_published_or_saved(tiny_model_dir, hf_model,
                                                                                     tmp_path):
-    """learner.lr=inf: the first update makes the weights non-finite (its loss and gradient were still finite);
-    publishing or saving them is refused, and the next step's loss is caught."""
+    """A step leaves a non-finite weight behind (the config refuses a non-finite lr, so the divergence is made by
+    hand after a real step): publishing or saving it is refused, and the next step's loss is caught."""
+    import torch
+
     from learner.checkpoint import save_checkpoint
     from learner.learner import NonFiniteError
 
     batch = two_groups(hf_model)
-    learner = make_learner(tiny_model_dir, learner={"lr": float("inf")})
+    learner = make_learner(tiny_model_dir)
     learner.train_step(batch)
+    with torch.no_grad():
+        next(learner.policy.engine.module.parameters()).view(-1)[0] = float("inf")
     with pytest.raises(NonFiniteError, match="learner step 1: non-finite parameters"):
         learner.state_dict_for_publish()
     with pytest.raises(NonFiniteError, match="learner step 1: non-finite parameters"):
