@@ -109,7 +109,7 @@ class Engine(Protocol):
 
 
 def cpu_engine_env(cfg: RolloutConfig) -> dict[str, str]:
-    """Environment vLLM's CPU build needs (FIELD-NOTES); applied with setdefault so users can override."""
+    """Environment vLLM's CPU build needs (seen on the CPU build: KV cache size, no thread binding); applied with setdefault so users can override."""
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",

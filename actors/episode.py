@@ -1,6 +1,6 @@
 """One multi-turn search episode, as one async function over an engine and a search client (no Ray inside).
 
-The loop, per turn (Search-R1 semantics, REFERENCE.md sections 1-2)::
+The loop, per turn (Search-R1 semantics, docs/ALGORITHMS.md sections 1-2)::
 
     generate one model turn from prompt_ids + response_ids        (stop after </search> or </answer>, stop kept)
         budget = min(max_tokens_per_turn, response budget left, context left)

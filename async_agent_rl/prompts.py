@@ -1,6 +1,6 @@
 """Prompt templates for the search task and the tags the agent speaks.
 
-``search_r1`` is Search-R1's instruction template (REFERENCE.md section 1), the default. ``minimal`` is a short
+``search_r1`` is Search-R1's instruction template (docs/ALGORITHMS.md section 1), the default. ``minimal`` is a short
 instruction for tiny models and ablations. Either is wrapped in the tokenizer's chat template (instruct style) or
 used as plain text (base style), per ``data.apply_chat_template``.
 """

@@ -15,7 +15,7 @@ Every array named ``*_per_token`` below is aligned with ``response_ids`` (same l
                           tokens. A weight update in the middle of a turn gives later tokens the new version.
 
 ``turns`` lists the spans ``[start, end)`` of ``response_ids`` with their kind, in order, covering the response.
-An episode always ends on a model turn (REFERENCE.md section 2).
+An episode always ends on a model turn (docs/ALGORITHMS.md section 2).
 
 Wire format: a msgpack map with ``schema`` = ``SCHEMA_VERSION``; token arrays travel as little-endian raw bytes
 (int32 ids and versions, uint8 mask, float32 log-probs), so a 2k-token record encodes in microseconds. Decoding

@@ -1,6 +1,6 @@
 """Reward functions for search-agent episodes (pure functions of text).
 
-Semantics follow Search-R1's ``qa_em.py`` (REFERENCE.md section 1):
+Semantics follow Search-R1's ``qa_em.py`` (docs/ALGORITHMS.md section 1):
 
 - ``normalize_answer``: lower-case, drop punctuation, drop the articles a/an/the, collapse whitespace.
 - The prediction is the LAST ``<answer>...</answer>`` of the model's own output (the response, never the prompt;

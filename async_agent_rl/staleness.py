@@ -1,4 +1,4 @@
-"""Staleness arithmetic and AReaL's admission rule (REFERENCE.md section 4).
+"""Staleness arithmetic and AReaL's admission rule (docs/ALGORITHMS.md section 4).
 
 Staleness of a trajectory consumed by a learner at version ``v``::
 

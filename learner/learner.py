@@ -1,6 +1,6 @@
 """The learner: importance-corrected PPO on DeepSpeed, one plain class per rank (no Ray here; see ``learner.actor``).
 
-One ``train_step(batch)`` (REFERENCE.md sections 2-3)::
+One ``train_step(batch)`` (docs/ALGORITHMS.md sections 2-3)::
 
     window     response positions p0..L-1 of the batch (p0 = shortest prompt), loss mask, behavior log-probs
     no grad    proximal_logprobs  <- policy with the current weights        (skipped for plain ``ppo``)

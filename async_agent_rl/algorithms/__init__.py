@@ -1,7 +1,7 @@
 """RL algorithms as pure tensor functions, registered by the names ``AlgorithmConfig`` uses.
 
 No Ray, no DeepSpeed, no I/O: the learner calls these on ``(B, T)`` tensors over response token positions, with
-``response_mask`` 1 on model-generated (action) tokens only (REFERENCE.md sections 2 and 3).
+``response_mask`` 1 on model-generated (action) tokens only (docs/ALGORITHMS.md sections 2 and 3).
 
 =========================  ==================================================  =====================================
 registry                   names                                                config field

@@ -33,7 +33,7 @@ from torch import Tensor
 from async_agent_rl.algorithms._registry import lookup
 from async_agent_rl.algorithms.masked import masked_mean, masked_whiten
 
-GRPO_EPS = 1e-6  # added to the group std (REFERENCE.md section 2)
+GRPO_EPS = 1e-6  # added to the group std (docs/ALGORITHMS.md section 2)
 
 
 # ------------------------------------------------------------------------------------------------- token helpers
@@ -41,7 +41,7 @@ def place_outcome_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
     """Put each trajectory's outcome score on its last action token.
 
     Shapes: ``scores`` ``(B,)``, ``response_mask`` ``(B, T)`` -> ``(B, T)`` float, zero elsewhere.
-    Raises ``ValueError`` if a row has no action token: an episode must end on a model token (REFERENCE.md
+    Raises ``ValueError`` if a row has no action token: an episode must end on a model token (docs/ALGORITHMS.md
     section 2), otherwise its reward would sit on a masked position and reach nothing.
     """
     mask = response_mask.bool()
@@ -144,7 +144,7 @@ def _scan_skipping_observations(rewards: Tensor, values: Tensor, response_mask: 
         observation token:  next_value, last unchanged
 
     so the TD error of the first action token after an observation span flows straight to the last action token
-    before it, and values, rewards at observation positions never enter (REFERENCE.md section 2; the DeepEyes GAE
+    before it, and values, rewards at observation positions never enter (docs/ALGORITHMS.md section 2; the DeepEyes GAE
     fix, seed 002). Equivalently: delete the observation columns, run textbook GAE, put the columns back.
     Shapes: all ``(B, T)`` -> ``(B, T)`` with zeros at non-action positions.
     """

@@ -1,6 +1,6 @@
 """Search-R1's training-data format (parquet, one row per question), read and written unchanged.
 
-Columns (REFERENCE.md section 1)::
+Columns (docs/ALGORITHMS.md section 1)::
 
     data_source   str                      e.g. "nq", "hotpotqa", "world_single"
     prompt        list<{role, content}>    [{"role": "user", "content": <template with the question>}]

@@ -1,4 +1,4 @@
-"""Advantage estimators against hand-computed cases, a loop reference, and properties (REFERENCE.md section 2)."""
+"""Advantage estimators against hand-computed cases, a loop reference, and properties (docs/ALGORITHMS.md section 2)."""
 
 from __future__ import annotations
 

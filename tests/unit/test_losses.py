@@ -1,5 +1,5 @@
 """Policy losses, behavior weights, aggregation, entropy and value loss against hand-computed cases and properties
-(REFERENCE.md section 3)."""
+(docs/ALGORITHMS.md section 3)."""
 
 from __future__ import annotations
 
