@@ -25,6 +25,7 @@ from async_agent_rl.config import BufferConfig, MonitoringConfig, RetrieverConfi
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.retriever.backends import Hit
 from async_agent_rl.retriever.server import start_server_in_thread
+from async_agent_rl.train import LearningSignals
 from async_agent_rl.staleness import AdmissionState
 from buffer.replay_buffer import ReplayBuffer
 from monitoring import metrics as M
@@ -144,6 +145,18 @@ def trajectory(gid: str, member: int, version: int, n: int = 6) -> bytes:
                       meta=EpisodeMeta(group_id=gid, trajectory_id=f"{gid}/{member}")).encode()
 
 
+def finished_episode(tick: int, worker: int, member: int) -> Trajectory:
+    """One finished episode: half single-hop, half bridge; one search per hop; right on odd members."""
+    kind = ("single_hop", "bridge")[member % 2]
+    right = float(member % 2 == 1 or tick % 3 == 0)
+    n = 30 + 2 * worker
+    return Trajectory(prompt_ids=[1, 2, 3], response_ids=[5] * n, loss_mask=[1] * 20 + [0] * (n - 20),
+                      behavior_logprobs=[-0.5] * n, versions=[0] * n, turns=[TurnSpan("model", 0, n)], reward=right,
+                      reward_components={"exact_match": right},
+                      meta=EpisodeMeta(group_id=f"g{tick}", data_source=kind, num_searches=1 + member % 2,
+                                       finish_reason="answer"))
+
+
 class KeywordBackend:
     """A small search backend for the real retrieval server (BM25 would spend ~10 s compiling its kernels on
     these cores; the server's metrics, which this test is about, are the same for any backend)."""
@@ -173,22 +186,18 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
                               "turns_per_question": 2.0}}, split="heldout", step=0)
     turns = {0: 0, 1: 0}
     version = 0
+    signals = LearningSignals()
     async with SearchClient(search_url, SearchClientConfig(timeout_s=5.0)) as client:
         for tick in range(int(seconds / 0.25)):
             await client.search_many([f"title {tick % 7}", "text about passages"])
             rollout = []
             for i, ws in workers.items():
                 ws.started += 4
-                ws.finished += 4
                 ws.groups_started += 2
                 ws.pushed += 4
-                ws.generated_tokens += 120 + 10 * i
-                ws.observation_tokens += 60
-                ws.searches += 2
-                ws.reward_sum += 1.0
-                ws.finish_reasons["answer"] += 4
+                for member in range(4):  # finished episodes of both question kinds, as the episode loop adds them
+                    ws.add_finished(finished_episode(tick, i, member))
                 turns[i] += 8
-                ws.reward_component_sums["exact_match"] += 1.0
                 stats = {**ws.as_dict(), "index": i, "version": version, "search": client.counters(),
                          "weight_updates": [{"version": version, "seconds": 0.05, "pause_seconds": 0.01}],
                          "turns": turns[i]}
@@ -210,6 +219,8 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
                            "publish_version": float(version)}
             mon.observe(rollout=rollout, buffer={**buf.stats(), "admission": adm.counters()}, learner=learner,
                         publish=publish)
+            if learner:  # the driver's per-step learning signals, from the same totals
+                mon.learning.update(signals.update(rollout, buf.stats(), learner))
             await asyncio.sleep(0.25)
 
 

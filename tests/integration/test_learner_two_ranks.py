@@ -65,5 +65,11 @@ def test_two_ranks_train_identical_parameters(tiny_model_dir):
         single.train_step(batch)
     alone = single.state_dict_for_publish()
     assert any(not np.array_equal(initial[n], alone[n]) for n in alone)
+    # The same update up to float sums in another order. Adam divides by the gradient's running RMS, so where a
+    # gradient is near zero that order noise can move an element by a fraction of lr; bound it well below the
+    # 3 * lr an element can move in three steps, and require nearly every element to agree to 1e-5.
+    lr_total = 3 * tree["learner"]["lr"]
     for name, value in alone.items():
-        np.testing.assert_allclose(rank0[name], value, rtol=0, atol=1e-5, err_msg=name)  # float sums in another order
+        diff = np.abs(rank0[name] - value)
+        assert diff.max() < 0.1 * lr_total, (name, float(diff.max()))
+        assert (diff > 1e-5).mean() < 1e-3, (name, float((diff > 1e-5).mean()))

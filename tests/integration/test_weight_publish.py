@@ -55,6 +55,7 @@ def local_ray():
 def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_dir):
     cfg = build_config({
         "model": {"path": str(tiny_model_dir), "max_model_len": 256},
+        "data": {"max_prompt_length": 128},
         "rollout": {"group_size": 1},
         "learner": {"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1, "ppo_epochs": 2, "lr": 1e-3},
         "algorithm": {"advantage_estimator": "grpo", "policy_loss": "decoupled_ppo"},
