@@ -319,6 +319,12 @@ class SFTConfig(_Section):
         0, ge=0, description="embedded world only: draw the demonstrations from this many fact-shuffled copies of "
         "the world (train subjects, each copy with its own index) instead of the true train facts, so the warm "
         "start learns to read answers rather than memorize them (0 = the true train questions)")
+    expert_search_prob: float = Field(
+        1.0, ge=0.0, le=1.0, description="share of demonstrations in which the scripted expert searches; the rest "
+        "answer at once with a guess (the relation's most common train answer), as a model answering from memory does")
+    expert_second_hop_prob: float = Field(
+        1.0, ge=0.0, le=1.0, description="share of searching bridge demonstrations that make the second search; the "
+        "rest stop after the first and answer the bridge entity they found")
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)

@@ -25,6 +25,17 @@ Token structure (identical to a rollout, so SFT and RL train on the same kind of
   ``min(max_tokens_per_turn, response budget left, context left)``, and an observation only when at least
   ``min_turn_tokens`` remain after it for the next turn.
 
+The expert can be made imperfect, as demonstrations from a weaker model are (``sft.expert_search_prob``,
+``sft.expert_second_hop_prob``): in a share of its episodes it answers at once without searching (a guess: the
+relation's most common answer among the demonstrated questions) or, on a bridge question, stops after the first
+search and answers the bridge entity it found. Each demonstration draws its behaviour independently of the
+question, so imitation learns the format and reading from every demonstration but cannot learn which behaviour
+pays; RL can, since only the searching ones are rewarded::
+
+    guess       <think> I know the answer. </think>\n<answer> {guess} </answer>
+    one hop     <search> {subject} </search> [observation] <think> I found the answer. </think>
+                <answer> {bridge} </answer>
+
 A question the expert cannot demonstrate honestly (the retriever does not surface the answer or the bridge entity
 within the truncated observation, the episode does not fit the budgets, the question is not from the world) raises
 :class:`DemoError` in :meth:`DemoExpert.demonstrate`; :func:`make_demonstrations` counts and logs those, never drops
@@ -60,6 +71,10 @@ log = logging.getLogger(__name__)
 SEARCH_TURN = "<think> I need to search {query}. </think>\n<search> {query} </search>"
 BRIDGE_TURN = "<think> Now I need to search {query}. </think>\n<search> {query} </search>"
 ANSWER_TURN = "<think> I found the answer. </think>\n<answer> {answer} </answer>"
+GUESS_TURN = "<think> I know the answer. </think>\n<answer> {answer} </answer>"
+
+# The expert's behaviours: search as needed, answer without searching, stop a bridge question after one search.
+THOROUGH, GUESS, ONE_HOP = "thorough", "guess", "one_hop"
 
 DEMO_VERSION = 0  # policy version stamped on demonstration tokens (no policy sampled them)
 
@@ -83,6 +98,7 @@ class DemoReport:
     failed: Counter = field(default_factory=Counter)
     single_hop: int = 0
     bridge: int = 0
+    behaviours: Counter = field(default_factory=Counter)  # demonstrations made, by THOROUGH / GUESS / ONE_HOP
 
     @property
     def num_failed(self) -> int:
@@ -146,6 +162,27 @@ class DemoExpert:
         self._hits: dict[str, list[Hit]] = {}
         self._obs: dict[str, tuple[list[int], str]] = {}
         self._reward_terms = [(t.name, t.weight) for t in cfg.reward.terms]
+        self.search_prob = cfg.sft.expert_search_prob
+        self.second_hop_prob = cfg.sft.expert_second_hop_prob
+        self.guesses: dict[str, str] = {}  # relation -> the guess of a GUESS demonstration (see set_guesses)
+
+    def set_guesses(self, examples: Sequence[QAExample]) -> None:
+        """A GUESS demonstration answers the most common gold answer of its relation among ``examples`` (ties:
+        the first in sorted order), or of all of them when the relation is unknown."""
+        by_relation: dict[str, Counter] = {}
+        for ex in examples:
+            if ex.gold_answers:
+                by_relation.setdefault(str(ex.extra.get("relation", "")), Counter())[ex.gold_answers[0]] += 1
+                by_relation.setdefault("*", Counter())[ex.gold_answers[0]] += 1
+        self.guesses = {rel: min(c.items(), key=lambda kv: (-kv[1], kv[0]))[0] for rel, c in by_relation.items()}
+
+    def behaviour(self, ex: QAExample, rng: random.Random) -> str:
+        """Draw the expert's behaviour for one demonstration of ``ex`` (independent of the question's text)."""
+        if self.search_prob < 1.0 and rng.random() >= self.search_prob:
+            return GUESS
+        if ex.extra.get("hops") == 2 and self.second_hop_prob < 1.0 and rng.random() >= self.second_hop_prob:
+            return ONE_HOP
+        return THOROUGH
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -189,12 +226,22 @@ class DemoExpert:
             raise DemoError(ex.id, "not_a_world_question", "needs extra.subject, extra.hops (and extra.bridge)")
         return [subject] if hops == 1 else [subject, bridge]
 
-    def demonstrate(self, ex: QAExample, trajectory_id: str = "") -> Trajectory:
-        """One demonstration episode for the train question ``ex``; raises :class:`DemoError`."""
+    def demonstrate(self, ex: QAExample, trajectory_id: str = "", behaviour: str = THOROUGH) -> Trajectory:
+        """One demonstration episode for the train question ``ex`` (``behaviour``: THOROUGH, GUESS or ONE_HOP);
+        raises :class:`DemoError`."""
         if ex.split == "test":
             raise DemoError(ex.id, "test_question", "demonstrations use train questions only")
         queries = self.plan(ex)
         answer = ex.gold_answers[0]
+        answer_turn = ANSWER_TURN
+        if behaviour == GUESS:
+            queries = []
+            answer = self.guesses.get(str(ex.extra.get("relation", "")), self.guesses.get("*", ""))
+            answer_turn = GUESS_TURN
+            if not answer:
+                raise DemoError(ex.id, "no_guess", "set_guesses was not given any question")
+        elif behaviour == ONE_HOP and len(queries) == 2:
+            queries, answer = queries[:1], queries[1]
         b = _Builder(ex, self.prompt_ids_for(ex), self.s)
         retrieved: list[str] = []
         for i, query in enumerate(queries):
@@ -209,11 +256,11 @@ class DemoExpert:
                 reason = "bridge_not_retrieved" if i + 1 < len(queries) else "answer_not_retrieved"
                 raise DemoError(ex.id, reason, f"{needed!r} not in the observation for {query!r}")
             b.observation(obs_ids, obs_text)
-        text = ANSWER_TURN.format(answer=answer)
+        text = answer_turn.format(answer=answer)
         ids = self._encode(text)
         b.model_turn(ids, text)
         response_text = scoring_text(zip((t.kind for t in b.turns), b.texts))
-        if exact_match(self.tokenizer.decode(ids, skip_special_tokens=True), ex.gold_answers) != 1.0:
+        if exact_match(self.tokenizer.decode(ids, skip_special_tokens=True), [answer]) != 1.0:
             raise DemoError(ex.id, "answer_roundtrip", f"{answer!r} does not survive tokenization")
         reward, parts = compute_rewards(self._reward_terms, response_text, ex.gold_answers, retrieved_texts=retrieved)
         meta = EpisodeMeta(
@@ -225,7 +272,7 @@ class DemoExpert:
             num_turns=len(queries) + 1,
             finish_reason="answer",
             trajectory_id=trajectory_id or f"demo/{ex.id}",
-            extra={"demo": True, "hops": len(queries), "queries": list(queries)},
+            extra={"demo": True, "hops": ex.extra.get("hops"), "queries": list(queries), "behaviour": behaviour},
         )
         versions = [DEMO_VERSION if m else OBS_VERSION for m in b.mask]
         traj = Trajectory(b.prompt, b.resp, b.mask, [0.0] * len(b.resp), versions, b.turns, reward, parts, meta)
@@ -257,8 +304,9 @@ def make_demonstrations(
     report.requested += n
     expert = DemoExpert(cfg, tokenizer, backend)
     expert.prefetch(examples)
+    expert.set_guesses(examples)
     rng = random.Random(seed)
-    cache: dict[str, Trajectory | None] = {}
+    cache: dict[tuple[str, str], Trajectory | None] = {}
     out: list[Trajectory] = []
     while len(out) < n:
         order = list(examples)
@@ -267,20 +315,22 @@ def make_demonstrations(
         for ex in order:
             if len(out) == n:
                 break
-            if ex.id not in cache:
+            key = (ex.id, expert.behaviour(ex, rng))
+            if key not in cache:
                 try:
-                    cache[ex.id] = expert.demonstrate(ex)
+                    cache[key] = expert.demonstrate(ex, behaviour=key[1])
                 except DemoError as e:
-                    cache[ex.id] = None
+                    cache[key] = None
                     report.failed[e.reason] += 1
                     log.info("%s", e)
-            demo = cache[ex.id]
+            demo = cache[key]
             if demo is not None:
                 out.append(_copy_with_id(demo, f"demo/{len(out)}"))
+                report.behaviours[key[1]] += 1
         if len(out) == before:
             raise DemoError("*", "no_demonstrable_question", f"none of {len(examples)} questions could be demonstrated")
     report.made += len(out)
-    report.questions += sum(d is not None for d in cache.values())
+    report.questions += len({qid for (qid, _), d in cache.items() if d is not None})
     report.single_hop += sum(d.meta.extra["hops"] == 1 for d in out)
     report.bridge += sum(d.meta.extra["hops"] == 2 for d in out)
     if report.num_failed:

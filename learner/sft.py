@@ -432,6 +432,7 @@ def run_sft(
         "single_hop_demos": sum(d.meta.extra.get("hops") == 1 for d in demos),
         "bridge_demos": sum(d.meta.extra.get("hops") == 2 for d in demos),
         "demo_failures": dict(report.failed),
+        "demo_behaviours": dict(report.behaviours),
         "loss_tokens": loss_tokens,
         "tokens": tokens,
         "tokens_per_s": tokens / sft_seconds if sft_seconds > 0 else 0.0,

@@ -239,3 +239,40 @@ def test_pretraining_questions_are_answered_by_the_documents_just_above_them(wor
             assert answer in block  # and answered by it (shuffled facts: only reading gets it)
             asked += 1
     assert asked >= len(texts)
+
+
+def test_an_imperfect_expert_mixes_guesses_and_one_hop_answers_independently_of_the_question(setup):
+    """``sft.expert_search_prob`` / ``expert_second_hop_prob``: a share of the demonstrations answers without
+    searching (the relation's most common answer) or stops a bridge question after one search (answering the bridge
+    entity); these are wrong and rewarded 0, the thorough ones right and rewarded 1."""
+    from async_agent_rl.demos import GUESS, ONE_HOP, THOROUGH
+
+    cfg, tok, train, _, backend, _, _ = setup
+    mixed = cfg.model_copy(deep=True)
+    mixed.sft.expert_search_prob = 0.5
+    mixed.sft.expert_second_hop_prob = 0.5
+    report = DemoReport()
+    demos = make_demonstrations(mixed, tok, train, backend, 400, seed=3, report=report)
+    by = {b: [d for d in demos if d.meta.extra["behaviour"] == b] for b in (THOROUGH, GUESS, ONE_HOP)}
+    assert dict(report.behaviours) == {b: len(ds) for b, ds in by.items() if ds}
+    assert 0.4 < len(by[GUESS]) / len(demos) < 0.6  # drawn per demonstration with the configured share
+    bridges_searched = sum(d.meta.extra["hops"] == 2 for d in demos if d.meta.extra["behaviour"] != GUESS)
+    assert 0.3 < len(by[ONE_HOP]) / bridges_searched < 0.7
+    questions = {ex.id: ex for ex in train}
+    for d in by[GUESS]:
+        assert d.meta.num_searches == 0 and d.reward_components.get("exact_match", d.reward) <= 1.0
+        text = tok.decode(d.response_ids)
+        assert "<search>" not in text and "I know the answer" in text
+    for d in by[ONE_HOP]:
+        ex = questions[d.meta.question_id]
+        assert d.meta.num_searches == 1 and ex.extra["hops"] == 2 and d.reward == 0.0
+        assert f"<answer> {ex.extra['bridge']} </answer>" in tok.decode(d.response_ids)
+    assert all(d.reward == 1.0 for d in by[THOROUGH])
+    # the guess is the same for every question of a relation: nothing about the question picks it
+    guesses: dict[str, set[str]] = {}
+    for d in by[GUESS]:
+        answer = tok.decode(d.response_ids).split("<answer>")[1].split("</answer>")[0].strip()
+        guesses.setdefault(questions[d.meta.question_id].extra["relation"], set()).add(answer)
+    assert guesses and all(len(g) == 1 for g in guesses.values())
+    # the perfect expert (the defaults) never guesses
+    assert all(d.meta.extra["behaviour"] == THOROUGH for d in make_demonstrations(cfg, tok, train, backend, 50))
