@@ -85,12 +85,17 @@ def model_text(traj: Trajectory, tokenizer) -> str:
 def score_episodes(trajs: Iterable[Trajectory], tokenizer, skipped_too_long: int = 0) -> dict:
     """Exact match, F1, searches per question, turns and finish reasons, overall and per data source; answers are
     read from the model's own turns only (``model_text``); ``all.skipped_too_long`` counts the questions not run
-    because their prompt is over data.max_prompt_length."""
+    because their prompt is over data.max_prompt_length, and ``all.correct`` lists the ids of the questions answered
+    right (sorted), so two evaluations of the same questions can be compared question by question."""
     rows: dict[str, list[dict]] = {}
+    correct: list[str] = []
     for t in trajs:
         text = model_text(t, tokenizer)
+        em = exact_match(text, t.meta.gold_answers)
+        if em == 1.0:
+            correct.append(t.meta.question_id)
         row = {
-            "em": exact_match(text, t.meta.gold_answers),
+            "em": em,
             "f1": f1(text, t.meta.gold_answers),
             "searches": t.meta.num_searches,
             "turns": t.meta.num_turns,
@@ -116,6 +121,7 @@ def score_episodes(trajs: Iterable[Trajectory], tokenizer, skipped_too_long: int
     scores = {k: summary(v) for k, v in sorted(rows.items())}
     if "all" in scores:
         scores["all"]["skipped_too_long"] = skipped_too_long
+        scores["all"]["correct"] = sorted(correct)
     return scores
 
 

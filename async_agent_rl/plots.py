@@ -42,7 +42,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
     learning = [r.get("learning") or {} for r in rows]
     if any(learning):
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        fig, axes = plt.subplots(1, 4, figsize=(20, 4))
         kinds = sorted({k for x in learning for k in x.get("by_kind", {})} |
                        {k for e in evals for k in e if isinstance(e[k], dict) and "exact_match" in e[k]} - {"all"})
         for kind in kinds:
@@ -52,14 +52,24 @@ def plot_run(run_dir: str | Path) -> list[Path]:
                 ev = [(e["step"], e[kind]["exact_match"]) for e in evals if kind in e]
                 if ev:
                     axes[0].plot(*zip(*ev), "o-", color=line.get_color(), label=f"held-out (greedy), {kind}")
+            pts = [(s, x["by_kind"][kind]["searches"]) for s, x in zip(step, learning)
+                   if "searches" in x.get("by_kind", {}).get(kind, {})]
+            if pts:
+                line = axes[1].plot(*zip(*pts), alpha=0.6, label=f"rollout, {kind}")[0]
+                ev = [(e["step"], e[kind]["searches_per_question"]) for e in evals if kind in e]
+                if ev:
+                    axes[1].plot(*zip(*ev), "o-", color=line.get_color(), label=f"held-out (greedy), {kind}")
         axes[0].set_ylim(-0.02, 1.02)
         axes[0].set_title("exact match by question kind")
         axes[0].legend(fontsize=7)
-        axes[1].plot(step, [x.get("entropy") for x in learning])
-        axes[1].set_title("policy entropy (nats per generated token)")
-        axes[2].plot(step, [x.get("zero_variance_share") for x in learning])
-        axes[2].set_ylim(-0.02, 1.02)
-        axes[2].set_title("share of groups with equal rewards (no signal)")
+        axes[1].set_ylim(bottom=0)
+        axes[1].set_title("searches per episode by question kind")
+        axes[1].legend(fontsize=7)
+        axes[2].plot(step, [x.get("entropy") for x in learning])
+        axes[2].set_title("policy entropy (nats per generated token)")
+        axes[3].plot(step, [x.get("zero_variance_share") for x in learning])
+        axes[3].set_ylim(-0.02, 1.02)
+        axes[3].set_title("share of groups with equal rewards (no signal)")
         for ax in axes:
             ax.set_xlabel("learner step")
         written.append(_save(fig, out / "learning.png"))

@@ -129,28 +129,39 @@ def _duration(seconds: float) -> str:
 @contextmanager
 def _logs_to_file(path: Path) -> Iterator[None]:
     """For the run: library and engine logs (INFO and up) go to ``path``; the terminal keeps the run's own lines
-    (``RunLog.say``) and warnings. Progress bars of transformers are turned off."""
+    (``RunLog.say``) and warnings. Ray's driver-side logger (its own console handler, not propagated) goes to the
+    file too and keeps only errors on the terminal. Progress bars of transformers are turned off."""
+    import ray  # noqa: F401  (sets up the "ray" logger and its console handler, which this redirects)
     import transformers
 
-    root = logging.getLogger()
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.setLevel(logging.DEBUG if root.level <= logging.DEBUG else logging.INFO)
-    consoles = [(h, h.level) for h in root.handlers if isinstance(h, logging.StreamHandler)
+    def consoles(logger: logging.Logger) -> list[tuple[logging.Handler, int]]:
+        return [(h, h.level) for h in logger.handlers if isinstance(h, logging.StreamHandler)
                 and not isinstance(h, logging.FileHandler)]
+
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root, ray_logger = logging.getLogger(), logging.getLogger("ray")
+    handler, ray_handler = logging.FileHandler(path), logging.FileHandler(path)
+    for h in (handler, ray_handler):
+        h.setFormatter(fmt)
+        h.setLevel(logging.DEBUG if root.level <= logging.DEBUG else logging.INFO)
+    quieted = [(h, old, logging.WARNING) for h, old in consoles(root)]
+    quieted += [(h, old, logging.ERROR) for h, old in consoles(ray_logger)]
     level = root.level
-    for h, _ in consoles:
-        h.setLevel(max(h.level, logging.WARNING))
+    for h, _, floor in quieted:
+        h.setLevel(max(h.level, floor))
     root.addHandler(handler)
+    ray_logger.addHandler(ray_handler)
     root.setLevel(min(level, logging.INFO) if level else logging.INFO)
     transformers.utils.logging.disable_progress_bar()
     try:
         yield
     finally:
         root.removeHandler(handler)
+        ray_logger.removeHandler(ray_handler)
         handler.close()
+        ray_handler.close()
         root.setLevel(level)
-        for h, old in consoles:
+        for h, old, _ in quieted:
             h.setLevel(old)
         transformers.utils.logging.enable_progress_bar()
 
