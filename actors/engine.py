@@ -233,6 +233,7 @@ class VLLMEngine:
         if cfg.run.device == "cpu":
             for k, v in cpu_engine_env(cfg.rollout).items():
                 os.environ.setdefault(k, v)
+        # imported here, after the env vars above: vLLM reads them when it is imported
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -255,7 +256,7 @@ class VLLMEngine:
         return engine
 
     async def generate(self, req: TurnRequest) -> TurnOutput:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams, TokensPrompt  # local: importing this module must not import vLLM
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from async_agent_rl.config import SearchClientConfig
-from async_agent_rl.retriever.backends import Hit
+from retriever.backends import Hit
 
 ErrorKind = Literal["timeout", "connection", "http_status", "bad_reply"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("timeout", "connection", "http_status", "bad_reply")

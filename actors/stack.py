@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import AsyncIterator, Iterable, Sequence
 
 from actors.engine import Engine, create_engine
-from actors.episode import EpisodeRunner, EpisodeSettings
+from actors.episode import EpisodeRunner
 from actors.search_client import SearchClient
 from async_agent_rl.config import Config
 from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.records import Trajectory
 from async_agent_rl.rewards import exact_match, f1, scoring_text
 
@@ -30,7 +31,7 @@ def retriever_url(cfg: Config, log_file: str | Path | None = None):
     if cfg.retriever.url:
         yield cfg.retriever.url
         return
-    from async_agent_rl.retriever.server import spawn_server
+    from retriever.server import spawn_server
 
     with spawn_server(cfg.data.corpus_file, cfg.retriever, log_file=log_file) as server:
         yield server.url

@@ -33,8 +33,8 @@ import numpy as np
 from actors.search_client import SearchClient, SearchError
 from async_agent_rl.config import RetrieverConfig, SearchClientConfig
 from async_agent_rl.data.corpus import Passage, import_wiki_offline, read_corpus, write_corpus
-from async_agent_rl.retriever.backends import open_backend
-from async_agent_rl.retriever.server import spawn_server
+from retriever.backends import open_backend
+from retriever.server import spawn_server
 
 
 def synthetic_corpus(num_passages: int, vocab_size: int = 4000, seed: int = 0) -> list[Passage]:

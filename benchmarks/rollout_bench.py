@@ -107,13 +107,14 @@ async def main(args) -> dict:
     from transformers import AutoTokenizer
 
     from actors.engine import VLLMEngine
-    from actors.episode import EpisodeRunner, EpisodeSettings
+    from actors.episode import EpisodeRunner
     from actors.search_client import SearchClient
     from async_agent_rl.config import load_config
     from async_agent_rl.data.search_r1 import read_qa_parquet
-    from async_agent_rl.prepare import prepare
-    from async_agent_rl.retriever.server import spawn_server
+    from async_agent_rl.episode_settings import EpisodeSettings
+    from driver.prepare import prepare
     from learner.sft import run_sft
+    from retriever.server import spawn_server
 
     work = Path(args.work or tempfile.mkdtemp(prefix="rollout_bench_"))
     cfg = load_config("configs/quickstart.yaml", [

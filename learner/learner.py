@@ -151,6 +151,7 @@ def _import_deepspeed(device: str):
     """
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # imported here, after DS_ACCELERATOR is set: DeepSpeed picks its accelerator when it is imported
     import deepspeed
     import deepspeed.ops
 

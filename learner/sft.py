@@ -4,7 +4,7 @@
 
     pretrain   (optional, sft.pretrain_steps) next-token LM on observation-formatted passages of the world with
                every fact shuffled (demos.shuffled_world_observations): reading and copying, no true facts
-    demos      make_demonstrations(train questions, real retrieval)                     (async_agent_rl.demos)
+    demos      make_demonstrations(train questions, real retrieval)                     (learner.demos)
     SFT        per epoch: seeded shuffle -> length-grouped batches of sft.batch_size -> pack_batch (the RL
                learner's TrainBatch); loss = token-mean NLL over model-generated tokens (loss_mask == 1); AdamW;
                grad clip 1.0; linear warmup over sft.warmup_steps, then cosine decay to 0; the embedding rows of
@@ -224,8 +224,8 @@ def build_demonstrations(cfg: Config, tokenizer: Any, report: Any = None) -> tup
     ``cfg.data.corpus_file``, and the corpus titles (entity names)."""
     from async_agent_rl.data.corpus import read_corpus
     from async_agent_rl.data.search_r1 import read_qa_files
-    from async_agent_rl.demos import make_demonstrations, shuffled_world_demonstrations
-    from async_agent_rl.retriever.backends import open_backend
+    from learner.demos import make_demonstrations, shuffled_world_demonstrations
+    from retriever.backends import open_backend
 
     examples, _ = read_qa_files(cfg.data.train_files, cfg.data.on_bad_row)
     passages = read_corpus(cfg.data.corpus_file)
@@ -242,7 +242,7 @@ def build_demonstrations(cfg: Config, tokenizer: Any, report: Any = None) -> tup
 
 def _pretrain_texts(cfg: Config, steps: int, batch_size: int, seq_len: int, tokenizer: Any) -> list[str]:
     """Enough shuffled-world copies that ``steps`` batches see each window about once (no memorizing)."""
-    from async_agent_rl.demos import shuffled_world_observations
+    from learner.demos import shuffled_world_observations
 
     world_file = Path(cfg.data.world_dir) / "world.json"
     if not world_file.is_file():
@@ -364,7 +364,7 @@ def run_sft(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from async_agent_rl.data.corpus import read_corpus
-    from async_agent_rl.demos import DemoReport
+    from learner.demos import DemoReport
 
     s = cfg.sft
     pretrain_steps = int(getattr(s, "pretrain_steps", 0) or 0) if pretrain_steps is None else pretrain_steps

@@ -97,6 +97,7 @@ class ObjectStorePublisher:
 # ------------------------------------------------------------------------------------------------------ NCCL
 def _nccl_group(master_address: str, master_port: int, rank: int, world_size: int, device: Any):
     """A ``PyNcclCommunicator`` over a ``StatelessProcessGroup`` (outside torch.distributed's global group)."""
+    # vLLM and NCCL only for the NCCL method on GPUs: the other methods (and CPU runs) never import them
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
@@ -116,7 +117,7 @@ class NCCLWorkerExtension:
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                  world_size: int) -> None:
         """Join the learner's broadcast group as rank ``rank_offset + this worker's rank in its engine``."""
-        from vllm.distributed.parallel_state import get_world_group
+        from vllm.distributed.parallel_state import get_world_group  # runs inside a vLLM worker only
 
         rank = get_world_group().rank + rank_offset
         self._weight_group = _nccl_group(master_address, master_port, rank, world_size, self.device)

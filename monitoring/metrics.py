@@ -3,7 +3,7 @@
 Names are stable and documented (``docs/METRICS.md`` is generated from ``SPECS``: ``python -m monitoring.metrics``).
 All start with ``aar_``; a counter's constant is the sample name PromQL sees (``..._total``); a histogram's constant
 is the family name (query ``_bucket``, ``_sum``, ``_count``). The retrieval server exports its own ``retriever_*``
-metrics (``async_agent_rl.retriever.server.ServerMetrics``) and is scraped as a target of its own.
+metrics (``retriever.server.ServerMetrics``) and is scraped as a target of its own.
 
 Components stay free of Prometheus: they keep plain monotonic totals and gauges in the dicts they already return,
 and one updater per component turns a dict into metrics, in whichever process holds the registry::
@@ -772,7 +772,7 @@ def render_markdown(specs: Iterable[MetricSpec] = ()) -> str:
         "hand. Every name is stable. Counters are listed by the sample name PromQL sees (`_total`); histograms by",
         "their family name (query `_bucket`, `_sum`, `_count`). Gauges appear once first set. Every target also",
         "exports the standard `process_*` metrics. The retrieval server exports its own `retriever_*` metrics",
-        "(`async_agent_rl/retriever/server.py`, `ServerMetrics`): `retriever_requests_total{code}`,",
+        "(`retriever/server.py`, `ServerMetrics`): `retriever_requests_total{code}`,",
         "`retriever_queries_total`, `retriever_batch_queries`, `retriever_request_latency_seconds`,",
         "`retriever_backend_latency_seconds`, `retriever_errors_total{kind}`.",
         "",

@@ -84,7 +84,7 @@ SOCKETS_SCRIPT = textwrap.dedent('''
     import json, os, subprocess, sys
     import psutil, ray
     from async_agent_rl.config import load_config
-    from async_agent_rl.train import _ray_init
+    from driver.train import _ray_init
 
     _ray_init(load_config(None, ["cluster.num_cpus=1"]))
 

@@ -18,8 +18,8 @@ from prometheus_client import generate_latest
 
 from async_agent_rl.config import RetrieverConfig
 from async_agent_rl.data.corpus import Passage, write_corpus
-from async_agent_rl.retriever.backends import BM25Backend
-from async_agent_rl.retriever.server import ServerMetrics, start_server_in_thread
+from retriever.backends import BM25Backend
+from retriever.server import ServerMetrics, start_server_in_thread
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +90,7 @@ def test_serve_on_a_busy_port_is_one_error_line(tmp_path: Path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "async_agent_rl.cli", "retriever", "serve", "--corpus", str(corpus),
+        r = subprocess.run([sys.executable, "-m", "driver.cli", "retriever", "serve", "--corpus", str(corpus),
                             "--port", str(port)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
@@ -102,7 +102,7 @@ def test_a_retriever_child_that_refuses_its_corpus_is_one_input_error(tmp_path: 
     """What ``train`` and ``eval`` see when the retrieval server they start refuses the corpus: the child's own
     error line, raised as an InputError (the CLI prints it once), not "exited with code 2"."""
     from async_agent_rl.errors import InputError
-    from async_agent_rl.retriever.server import spawn_server
+    from retriever.server import spawn_server
 
     corpus = tmp_path / "dup.jsonl"
     write_corpus(corpus, [*PASSAGES[:3], Passage(id="1", contents='"Again"\nsame id')])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from async_agent_rl.plots import read_jsonl
+from driver.plots import read_jsonl
 from tests.helpers import world_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def bench(out: Path, world_dir: Path, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "async_agent_rl.cli", "bench", "ablations", "--config", "configs/quickstart.yaml",
+        sys.executable, "-m", "driver.cli", "bench", "ablations", "--config", "configs/quickstart.yaml",
         "--studies", "masking", "--steps", "2", "--eval-every", "1", "--out", str(out), *extra,
         *world_overrides(world_dir, model_dir),
         "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=8", "eval.num_questions=8",
@@ -79,7 +79,7 @@ def test_ablation_report_matches_the_runs_own_files(tmp_path, world_dir, tiny_mo
 
 
 def test_bad_study_and_bad_etas_are_refused_before_any_run(tmp_path):
-    cli = [sys.executable, "-m", "async_agent_rl.cli", "bench"]
+    cli = [sys.executable, "-m", "driver.cli", "bench"]
     r = subprocess.run([*cli, "ablations", "--config", "configs/quickstart.yaml", "--studies", "masking,colour",
                         "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and "colour" in r.stderr and "masking, estimator" in r.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from async_agent_rl.plots import read_jsonl
+from driver.plots import read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -32,7 +32,7 @@ SMALL = [
 
 
 def bench(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "async_agent_rl.cli", "bench", "learning", "--config", "configs/quickstart.yaml",
+    cmd = [sys.executable, "-m", "driver.cli", "bench", "learning", "--config", "configs/quickstart.yaml",
            "--seeds", "0,1", "--steps", "2", "--eval-every", "2", "--out", str(out), *extra, *SMALL]  # fmt: skip
     env = dict(os.environ)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)

@@ -23,13 +23,13 @@ from actors.rollout_worker import WorkerStats
 from actors.search_client import SearchClient
 from async_agent_rl.config import BufferConfig, MonitoringConfig, RetrieverConfig, SearchClientConfig
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
-from async_agent_rl.retriever.backends import Hit
-from async_agent_rl.retriever.server import start_server_in_thread
-from async_agent_rl.train import LearningSignals
 from async_agent_rl.staleness import AdmissionState
 from buffer.replay_buffer import ReplayBuffer
+from driver.train import LearningSignals
 from monitoring import metrics as M
 from monitoring.exporter import RunMonitoring, start_exporter, write_sd_file
+from retriever.backends import Hit
+from retriever.server import start_server_in_thread
 from monitoring.prom import (
     DASHBOARD, PromQLError, check_dashboard, prometheus_binary, query, start_prometheus, targets, values, wait_for,
     write_config,

@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits
 from async_agent_rl.data.corpus import Passage, import_wiki_offline, read_corpus, write_corpus
-from async_agent_rl.retriever import cli
-from async_agent_rl.retriever.backends import BM25Backend, DenseBackend, Hit, IndexMismatchError
-from async_agent_rl.retriever.render import render_information
-from async_agent_rl.retriever.server import spawn_server, start_server_in_thread
+from async_agent_rl.render import render_information
+from retriever import cli
+from retriever.backends import BM25Backend, DenseBackend, Hit, IndexMismatchError
+from retriever.server import spawn_server, start_server_in_thread
 
 pytestmark = pytest.mark.integration
 
@@ -314,7 +314,7 @@ def test_empty_corpus_is_refused_at_start_up(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     proc = subprocess.run(
-        [sys.executable, "-m", "async_agent_rl.retriever", "serve", "--corpus", str(empty), "--port", "0"],
+        [sys.executable, "-m", "retriever", "serve", "--corpus", str(empty), "--port", "0"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "has no passages" in proc.stderr

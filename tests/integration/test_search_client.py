@@ -15,8 +15,8 @@ from aiohttp import web
 from actors.search_client import SearchClient, SearchError, parse_reply, retrieve_url
 from async_agent_rl.config import RetrieverConfig, SearchClientConfig
 from async_agent_rl.data.corpus import import_wiki_offline, read_corpus
-from async_agent_rl.retriever.backends import BM25Backend
-from async_agent_rl.retriever.server import start_server_in_thread
+from retriever.backends import BM25Backend
+from retriever.server import start_server_in_thread
 
 pytestmark = pytest.mark.integration
 

@@ -11,10 +11,10 @@ from async_agent_rl.batch import pack_batch
 from async_agent_rl.config import load_config
 from async_agent_rl.data.corpus import read_corpus
 from async_agent_rl.data.search_r1 import read_qa_parquet
-from async_agent_rl.demos import make_demonstrations
 from async_agent_rl.prompts import prompt_ids, render_question_prompt
-from async_agent_rl.retriever.backends import BM25Backend
+from learner.demos import make_demonstrations
 from learner.sft import METRICS_FILE, entity_token_ids, evaluate_nll, masked_nll, run_sft
+from retriever.backends import BM25Backend
 from tests.helpers import world_overrides
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ import pytest
 import ray
 
 from async_agent_rl.config import load_config
-from async_agent_rl.train import Trainer
 from buffer.actor import create_buffer_actor
+from driver.train import Trainer
 from tests.unit.test_replay_buffer import traj
 
 pytestmark = pytest.mark.integration

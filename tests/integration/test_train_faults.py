@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from async_agent_rl.config import load_config
-from async_agent_rl.plots import read_jsonl
+from driver.plots import read_jsonl
 from tests.helpers import leaked_weight_dirs, shm_weight_dirs, world_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def small_config(tmp_path: Path, world_dir: Path, model_dir: Path, *extra: str):
 def test_killed_rollout_actor_is_restarted_and_training_finishes(tmp_path, world_dir, tiny_model_dir):
     import ray
 
-    from async_agent_rl.train import Trainer
+    from driver.train import Trainer
 
     cfg = small_config(tmp_path, world_dir, tiny_model_dir, "learner.total_steps=5")
     trainer = Trainer(cfg, quiet=True)
@@ -68,7 +68,7 @@ def test_killed_rollout_actor_is_restarted_and_training_finishes(tmp_path, world
 
 
 def _train_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "async_agent_rl.cli", "train", *args]
+    return [sys.executable, "-m", "driver.cli", "train", *args]
 
 
 def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir, tiny_model_dir):
@@ -125,8 +125,8 @@ def test_retriever_outage_degrades_to_error_observations_and_training_recovers(
     middle of a run, then resumed. Searches during the outage time out and become masked error observations that
     are trained on like any other (nothing is dropped, the actor never crashes); once the server answers again the
     batches have no search errors, and the run finishes every step."""
-    from async_agent_rl.retriever.server import spawn_server
-    from async_agent_rl.train import Trainer
+    from driver.train import Trainer
+    from retriever.server import spawn_server
 
     probe = small_config(tmp_path, world_dir, searching_model_dir)
     with spawn_server(world_dir / "corpus.jsonl", probe.retriever) as server:

@@ -29,7 +29,7 @@ STEPS = 40
 
 
 def test_a_short_run_raises_the_trained_reward(tmp_path, world_dir, searching_model_dir):
-    from async_agent_rl.train import Trainer
+    from driver.train import Trainer
 
     cfg = load_config(REPO / "configs/quickstart.yaml", [
         f"run.output_dir={tmp_path}", "run.name=learn", *world_overrides(world_dir, searching_model_dir),

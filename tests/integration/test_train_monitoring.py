@@ -51,7 +51,7 @@ needs_prometheus = pytest.mark.skipif(
 def cli() -> list[str]:
     """The venv's ``async-agent-rl`` console script (the one beside this interpreter), else ``python -m``."""
     exe = Path(sys.executable).parent / "async-agent-rl"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "async_agent_rl.cli"]
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "driver.cli"]
 
 
 def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

@@ -9,8 +9,8 @@ import pytest
 @pytest.fixture(scope="module")
 def server(world_dir):
     from async_agent_rl.data.corpus import read_corpus
-    from async_agent_rl.retriever.backends import BM25Backend
-    from async_agent_rl.retriever.server import start_server_in_thread
+    from retriever.backends import BM25Backend
+    from retriever.server import start_server_in_thread
 
     srv = start_server_in_thread(BM25Backend.build(read_corpus(world_dir / "corpus.jsonl")))
     yield srv

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from async_agent_rl.bench import (STUDIES, Arm, ArmRun, learning_arms, learning_summary, mean_se, seed_row,
+from driver.bench import (STUDIES, Arm, ArmRun, learning_arms, learning_summary, mean_se, seed_row,
                                   sft_only_result, staleness_arms, sync_arms, sync_summary, time_to_em,
                                   write_learning_report)
 from async_agent_rl.config import load_config

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from async_agent_rl.cli import main
 from async_agent_rl.config import load_config
+from driver.cli import main
 from learner.checkpoint import CheckpointError, commit_checkpoint, config_differences, newest_intact, verify_manifest
 
 FILES = {

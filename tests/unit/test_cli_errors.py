@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from async_agent_rl.cli import main
 from async_agent_rl.data.search_r1 import QAExample, write_qa_parquet
+from driver.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -115,7 +115,7 @@ def test_failures_inside_ray_actors_are_unwrapped_and_name_the_component():
 
 
 def test_an_unexpected_exception_is_one_line_too(monkeypatch, capsys):
-    import async_agent_rl.cli as cli
+    import driver.cli as cli
 
     def boom(args):
         raise KeyError("surprise")

@@ -96,7 +96,7 @@ def test_saved_config_round_trips(tmp_path):
 
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "async_agent_rl.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+        [sys.executable, "-m", "driver.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
     )
 
 

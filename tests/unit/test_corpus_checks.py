@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from async_agent_rl.data.corpus import CorpusError, Passage, read_corpus, write_corpus
-from async_agent_rl.retriever.backends import BM25Backend, IndexMismatchError, open_backend
+from retriever.backends import BM25Backend, IndexMismatchError, open_backend
 
 
 def passages(n: int = 50) -> list[Passage]:

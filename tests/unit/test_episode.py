@@ -14,15 +14,15 @@ from actors.episode import (
     INVALID_ACTION_OBSERVATION,
     EmptyEpisodeError,
     EpisodeRunner,
-    EpisodeSettings,
     parse_action,
 )
 from actors.rollout_worker import RolloutWorker
-from actors.stack import score_episodes
 from actors.search_client import SearchClient
+from actors.stack import score_episodes
 from async_agent_rl.config import SearchClientConfig
 from async_agent_rl.data.search_r1 import QAExample
-from async_agent_rl.retriever.render import INFORMATION_CLOSE
+from async_agent_rl.episode_settings import EpisodeSettings
+from async_agent_rl.render import INFORMATION_CLOSE
 
 
 class ScriptedEngine:

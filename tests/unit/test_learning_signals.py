@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from async_agent_rl.train import LearningSignals
+from driver.train import LearningSignals
 
 
 def _actor(single: tuple[int, float, float, int], bridge: tuple[int, float, float, int]) -> dict:

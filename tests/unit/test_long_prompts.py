@@ -8,10 +8,11 @@ import asyncio
 import logging
 from types import SimpleNamespace
 
-from actors.episode import EpisodeRunner, EpisodeSettings, PromptTooLongError
+from actors.episode import EpisodeRunner, PromptTooLongError
 from actors.rollout_worker import RolloutWorker
 from actors.stack import score_episodes
 from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.episode_settings import EpisodeSettings
 
 
 def settings(max_prompt_length: int) -> EpisodeSettings:

@@ -14,14 +14,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.rollout_worker import WorkerStats
 from async_agent_rl.config import BufferConfig
-from async_agent_rl.train import LearningSignals
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
-from async_agent_rl.retriever import server as retriever_server
 from async_agent_rl.staleness import AdmissionState
 from buffer.replay_buffer import ReplayBuffer
+from driver.train import LearningSignals
 from monitoring import build_dashboard, metrics as M
 from monitoring.exporter import prometheus_config, sd_groups, write_sd_file
 from monitoring.prom import DASHBOARD, dashboard_queries, expand_grafana_vars
+from retriever import server as retriever_server
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from async_agent_rl.config import load_config
 
 def test_ray_init_refuses_a_local_cluster_without_authentication(monkeypatch):
     from async_agent_rl.errors import InputError
-    from async_agent_rl.train import _ray_init
+    from driver.train import _ray_init
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

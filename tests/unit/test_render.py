@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from async_agent_rl.data.corpus import Passage
-from async_agent_rl.retriever.backends import Hit
-from async_agent_rl.retriever.render import (
+from retriever.backends import Hit
+from async_agent_rl.render import (
     INFORMATION_CLOSE,
     INFORMATION_OPEN,
     render_information,

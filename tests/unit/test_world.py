@@ -53,7 +53,7 @@ def test_sizes_follow_config():
 
 
 def test_cli_writes_search_r1_files(tmp_path):
-    from async_agent_rl.cli import main
+    from driver.cli import main
 
     assert main(["data", "make-world", "--out", str(tmp_path), "--seed", "1", "data.world.num_people=30"]) == 0
     rows = read_qa_parquet(tmp_path / "train.parquet")

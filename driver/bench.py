@@ -28,8 +28,11 @@ and standard error over seeds, ``learning_curves.png`` and ``learning_bars.png``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -37,7 +40,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import yaml
+
 from async_agent_rl.config import Config, load_config
+from driver.plots import read_jsonl
+from driver.prepare import prepare
+
+# learner.sft (torch) and matplotlib are imported inside the functions that use them: the CLI imports this module
+# for every command, `config show` included.
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,7 @@ class ArmRun:
 
 
 def _cli() -> list[str]:
-    return [sys.executable, "-m", "async_agent_rl.cli"]
+    return [sys.executable, "-m", "driver.cli"]
 
 
 def _run(cmd: list[str], log_file: Path) -> tuple[int, float]:
@@ -122,9 +132,6 @@ def _tail(path: Path, n: int = 15) -> str:
 def warm_start(config: str, overrides: list[str], root: Path, say) -> Path:
     """The SFT warm start for ``config`` + ``overrides``, in ``root/<hash of its inputs>``: made by
     ``async-agent-rl sft`` unless a finished one is there."""
-    import hashlib
-
-    from async_agent_rl.prepare import prepare
     from learner.sft import check_warm_start, warm_start_inputs
 
     cfg = load_config(config, overrides)
@@ -198,8 +205,6 @@ def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, 
 
 def _finished_with(run_dir: Path, cfg: Config, config_file: str = "config.yaml",
                    done_file: str = "summary.json") -> bool:
-    import yaml
-
     try:
         saved = yaml.safe_load((run_dir / config_file).read_text())
         return (run_dir / done_file).is_file() and saved == cfg.to_dict()
@@ -209,8 +214,6 @@ def _finished_with(run_dir: Path, cfg: Config, config_file: str = "config.yaml",
 
 def _clear(run_dir: Path) -> None:
     """A half-written run folder from an earlier attempt would add its lines to the new run's files."""
-    import shutil
-
     if run_dir.exists():
         shutil.rmtree(run_dir)
 
@@ -225,10 +228,6 @@ def arm_result(run_dir: Path) -> dict[str, Any]:
     """The numbers of one finished run, from its own files. ``*_last``: mean over the last quarter of the steps.
     ``train_s`` excludes the evaluations run during training; ``samples_per_s`` is trained trajectories per second
     of it."""
-    import yaml
-
-    from async_agent_rl.plots import read_jsonl
-
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     evals = read_jsonl(run_dir / "eval.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -506,8 +505,6 @@ def _kind_numbers(scores: dict[str, Any]) -> dict[str, dict[str, float]]:
 def seed_row(seed: int, rl: ArmRun, sft: ArmRun) -> dict[str, Any]:
     """One seed's line of the learning report, from the RL run's ``eval.jsonl`` (its ``start`` evaluation: the warm
     start; its ``end`` one: after RL) and the SFT-only arm's scores."""
-    from async_agent_rl.plots import read_jsonl
-
     evals = read_jsonl(rl.run_dir / "eval.jsonl")
     when = {e["when"]: e for e in evals}
     start, end, other = (_kind_numbers(e) for e in (when["start"], when["end"], sft.result["scores"]))
@@ -526,8 +523,6 @@ def seed_row(seed: int, rl: ArmRun, sft: ArmRun) -> dict[str, Any]:
 
 def mean_se(xs: Sequence[float]) -> dict[str, float]:
     """Mean and standard error (sample standard deviation / sqrt(n); NaN for fewer than two values)."""
-    import statistics
-
     xs = list(xs)
     se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
     return {"mean": _mean(xs), "se": se, "n": len(xs)}

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Iterator
 
 from async_agent_rl.config import Config, ConfigError
+from async_agent_rl.data.world import generate_world, write_world
+from async_agent_rl.tiny_model import init_tiny_model
 
 
 def _missing(paths: list[str]) -> list[str]:
@@ -21,8 +23,6 @@ def prepare(cfg: Config, force: bool = False) -> Iterator[str]:
     data_files = [*cfg.data.train_files, *cfg.data.test_files, cfg.data.corpus_file]
     missing = _missing(data_files)
     if (missing or force) and cfg.data.make_world_if_missing:
-        from async_agent_rl.data.world import generate_world, write_world
-
         world = generate_world(cfg.data.world)
         write_world(world, cfg.data.world_dir, template=cfg.data.prompt_template)
         yield (
@@ -38,8 +38,6 @@ def prepare(cfg: Config, force: bool = False) -> Iterator[str]:
     model_dir = Path(cfg.model.path)
     has_model = (model_dir / "config.json").is_file()
     if (not has_model or force) and cfg.model.build_if_missing:
-        from async_agent_rl.tiny_model import init_tiny_model
-
         init_tiny_model(model_dir, cfg.model.init, cfg.data.corpus_file)
         yield f"built a tiny Qwen2 model (hidden {cfg.model.init.hidden_size}, {cfg.model.init.num_hidden_layers} layers) -> {model_dir}"
     elif has_model:

@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits
 from async_agent_rl.errors import InputError
-from async_agent_rl.retriever.backends import Hit, SearchBackend
+from retriever.backends import Hit, SearchBackend
 
 logger = logging.getLogger(__name__)
 
@@ -554,10 +554,10 @@ class ServerProcess:
 
 def spawn_server(corpus: str | Path, config: RetrieverConfig | None = None, timeout_s: float = 120.0,
                  log_file: str | Path | None = None) -> ServerProcess:
-    """Run ``python -m async_agent_rl.retriever serve`` for ``corpus`` with every setting of ``config``."""
+    """Run ``python -m retriever serve`` for ``corpus`` with every setting of ``config``."""
     c = config if config is not None else RetrieverConfig()
     argv = [
-        sys.executable, "-m", "async_agent_rl.retriever", "serve", "--corpus", str(corpus),
+        sys.executable, "-m", "retriever", "serve", "--corpus", str(corpus),
         "--backend", c.backend, "--host", c.host, "--port", str(c.port), "--topk", str(c.topk),
         "--batch-window-ms", str(c.batch_window_ms), "--max-batch-queries", str(c.max_batch_queries),
         "--max-queries-per-request", str(c.limits.max_queries_per_request),

@@ -21,18 +21,43 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
-from async_agent_rl.config import Config
+import ray  # also sets up the "ray" logger and its console handler, which _logs_to_file redirects
+import transformers
+import yaml
+from ray._private.worker import global_worker
+from ray.exceptions import GetTimeoutError, RayActorError
+from transformers import AutoTokenizer
+
+from actors.rollout_actor import create_rollout_actors
+from actors.stack import retriever_url
+from async_agent_rl.config import Config, load_config
 from async_agent_rl.errors import InputError
+from buffer.actor import SNAPSHOT_FILE, create_buffer_actor
+from driver.plots import plot_run
+from driver.prepare import prepare
+from learner.actor import create_learner_group
+from learner.checkpoint import (
+    CONFIG_FILE,
+    CheckpointError,
+    check_model_matches,
+    commit_checkpoint,
+    config_differences,
+    newest_intact,
+)
+from learner.sft import check_warm_start, run_sft, warm_start_inputs
+from learner.weight_sync import create_publisher
+from monitoring.exporter import RunMonitoring
 
 log = logging.getLogger(__name__)
 
 
-BUFFER_SNAPSHOT = "replay_buffer.snapshot"
 SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout actors this often
 SEARCH_ERROR_WARN_RATE = 0.5  # warn when more than this share of a step's searches failed (at least 4 of them)
 SEARCH_WARN_EVERY_S = 60.0
@@ -42,8 +67,6 @@ DRIVER_STATE = "driver_state.json"
 def latest_checkpoint(run_dir: Path) -> tuple[Path, list[str]]:
     """The newest intact ``checkpoints/step_N`` (its manifest verified; a crash mid-checkpoint leaves only a
     ``.step_N.tmp`` folder) and one line per damaged newer checkpoint skipped; ``InputError`` when there is none."""
-    from learner.checkpoint import CheckpointError, newest_intact
-
     candidates = [p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()]
     if not candidates:
         raise InputError(f"{run_dir}: no checkpoint under checkpoints/ to resume from")
@@ -90,8 +113,6 @@ def _ray_init(cfg: Config) -> None:
     the local cluster's gRPC servers to every interface (it rewrites a loopback node address to the host's), so a
     local cluster with authentication disabled would let anyone on the network run code here: refused.
     """
-    import ray
-
     if ray.is_initialized():
         return
     address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
@@ -131,9 +152,6 @@ def _logs_to_file(path: Path) -> Iterator[None]:
     """For the run: library and engine logs (INFO and up) go to ``path``; the terminal keeps the run's own lines
     (``RunLog.say``) and warnings. Ray's driver-side logger (its own console handler, not propagated) goes to the
     file too and keeps only errors on the terminal. Progress bars of transformers are turned off."""
-    import ray  # noqa: F401  (sets up the "ray" logger and its console handler, which this redirects)
-    import transformers
-
     def consoles(logger: logging.Logger) -> list[tuple[logging.Handler, int]]:
         return [(h, h.level) for h in logger.handlers if isinstance(h, logging.StreamHandler)
                 and not isinstance(h, logging.FileHandler)]
@@ -248,8 +266,6 @@ class LearningSignals:
 
 def _link_ray_logs(link: Path) -> None:
     """``link`` -> this Ray session's log folder (every actor's stdout and stderr), replacing an older link."""
-    from ray._private.worker import global_worker
-
     node = getattr(global_worker, "node", None)
     logs = node.get_logs_dir_path() if node is not None else None
     if not logs or not Path(logs).is_dir():
@@ -308,13 +324,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ steps
     def prepare_inputs(self) -> None:
-        from async_agent_rl.prepare import prepare
-
         for line in prepare(self.cfg):
             self.log.say(f"[prepare] {line}")
         if self.cfg.sft.enabled:
-            from learner.sft import check_warm_start, run_sft, warm_start_inputs
-
             sft_dir = Path(self.cfg.sft.output_dir) if self.cfg.sft.output_dir else self.run_dir / "sft"
             if not check_warm_start(sft_dir, warm_start_inputs(self.cfg, self.cfg.model.path)):
                 self.log.say(f"[sft] warm start on {self.cfg.sft.num_demos} demonstrations -> {sft_dir}")
@@ -325,14 +337,6 @@ class Trainer:
             self.policy_path = str(sft_dir)
 
     def start_components(self, stack: ExitStack) -> None:
-        import ray
-
-        from actors.rollout_actor import create_rollout_actors
-        from actors.stack import retriever_url
-        from buffer.actor import create_buffer_actor
-        from learner.actor import create_learner_group
-        from learner.weight_sync import create_publisher
-
         cfg = self.cfg
         _ray_init(cfg)
         stack.callback(ray.shutdown)
@@ -358,10 +362,6 @@ class Trainer:
     def _start_monitoring(self, stack: ExitStack):
         """One exporter for the run (driver-side view of every component) plus the retriever's own /metrics, both
         listed in ``run_dir/prometheus/targets.json`` for Prometheus' file-based discovery."""
-        from urllib.parse import urlsplit
-
-        from monitoring.exporter import RunMonitoring
-
         mon = RunMonitoring.from_config(self.cfg.monitoring, self.run_dir)
         if mon is None:
             return None
@@ -371,26 +371,18 @@ class Trainer:
         return mon
 
     def _observe_components(self) -> None:
-        import ray
-
         self.mon.observe(rollout=ray.get([a.stats.remote() for a in self.actors]), buffer=ray.get(self.buffer.stats.remote()))
 
     def _pad_id(self) -> int:
-        from transformers import AutoTokenizer
-
         tok = AutoTokenizer.from_pretrained(self.policy_path)
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
     def start_rollouts(self) -> None:
-        import ray
-
         ray.get([a.start.remote() for a in self.actors])
         if self.mon is not None:
             self.mon.poll(self._observe_components, every_s=self.cfg.monitoring.log_every_s)
 
     def train_step(self, t0: float) -> None:
-        import ray
-
         cfg = self.cfg
         wait0 = last_check = time.monotonic()
         next_report = wait0 + 60.0
@@ -458,9 +450,6 @@ class Trainer:
         episodes counted lost, and it gets the current weights before it runs again. One that stopped answering
         may still be alive: it is killed first (Ray restarts it), so ``setup()`` never builds a second engine in a live
         incarnation and it generates nothing more; a push it sent before dying is dropped by the buffer as late."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
         out = []
         for i, actor in enumerate(self.actors):
             try:
@@ -478,9 +467,6 @@ class Trainer:
         return out
 
     def _restart_actor(self, i: int) -> None:
-        import ray
-        from ray.exceptions import RayActorError
-
         actor, actor_id = self.actors[i], f"actor{i}"
         last = self.history[-1]["per_actor"].get(actor_id, {}) if self.history else {}
         for key, value in last.items():  # keep what the dead incarnation did in the run's totals
@@ -561,8 +547,6 @@ class Trainer:
             self.log.say(f"[warn] {msg}")
 
     def evaluate(self, when: str) -> dict:
-        import ray
-
         cfg = self.cfg
         t = time.monotonic()
         scores = ray.get(self.actors[0].evaluate.remote(cfg.data.test_files, cfg.eval.num_questions))
@@ -579,24 +563,16 @@ class Trainer:
         return rec
 
     def stop_rollouts(self) -> list[dict]:
-        import ray
-
         return ray.get([a.stop.remote() for a in self.actors])
 
     def checkpoint(self) -> str:
         """Learner checkpoint (policy, DeepSpeed state, RNG), buffer snapshot and the driver's counters, written
         into ``checkpoints/step_N``; ``train --resume RUN_DIR`` continues from the newest complete one."""
-        import shutil
-
-        import ray
-
-        from learner.checkpoint import commit_checkpoint
-
         final = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         tmp = final.with_name(f".{final.name}.tmp")  # written here, renamed into place once complete
         shutil.rmtree(tmp, ignore_errors=True)
         self.learner.save_checkpoint(tmp)
-        ray.get(self.buffer.snapshot.remote(str(tmp / BUFFER_SNAPSHOT)))
+        ray.get(self.buffer.snapshot.remote(str(tmp / SNAPSHOT_FILE)))
         state = {"step": self.step, "version": self.version, "restarts": self.restarts,
                  "lost_episodes": self.lost_episodes, "retired": self.retired}  # fmt: skip
         (tmp / DRIVER_STATE).write_text(json.dumps(state))
@@ -609,11 +585,6 @@ class Trainer:
         """A trainer for ``run_dir`` that continues from its newest intact checkpoint (config from the run). Damaged
         newer checkpoints are skipped with a warning; a checkpoint whose config differs from the run's on anything
         the saved state depends on is an error naming the keys."""
-        import yaml
-
-        from async_agent_rl.config import load_config
-        from learner.checkpoint import CONFIG_FILE, CheckpointError, config_differences
-
         run_dir = Path(run_dir)
         if not (run_dir / "config.yaml").is_file():
             raise InputError(f"{run_dir}: not a run folder (no config.yaml)")
@@ -630,15 +601,11 @@ class Trainer:
 
     def _restore(self) -> None:
         """Load the checkpoint into the learner and buffer; drop the metrics of steps that will be redone."""
-        import ray
-
-        from learner.checkpoint import check_model_matches
-
         ckpt = self.resume_from
         state = json.loads((ckpt / DRIVER_STATE).read_text())
         check_model_matches(ckpt, self.policy_path)
         self.learner.load_checkpoint(ckpt)
-        ray.get(self.buffer.restore.remote(str(ckpt / BUFFER_SNAPSHOT)))
+        ray.get(self.buffer.restore.remote(str(ckpt / SNAPSHOT_FILE)))
         self.step, self.version = state["step"], state["version"]
         self.restarts, self.lost_episodes, self.retired = state["restarts"], state["lost_episodes"], state["retired"]
         metrics = self.run_dir / "metrics.jsonl"
@@ -689,7 +656,6 @@ class Trainer:
         return s
 
     def plots(self) -> list[Path]:
-        from async_agent_rl.plots import plot_run
 
         return list(plot_run(self.run_dir))
 

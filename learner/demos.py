@@ -55,15 +55,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from actors.episode import EpisodeSettings
 from async_agent_rl.config import Config
 from async_agent_rl.data.corpus import Passage
 from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.prompts import prompt_ids, render_question_prompt
 from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
-from async_agent_rl.retriever.backends import Hit, SearchBackend
-from async_agent_rl.retriever.render import INFORMATION_CLOSE, render_information, truncate_observation
+from async_agent_rl.render import INFORMATION_CLOSE, render_information, truncate_observation
 from async_agent_rl.rewards import compute_rewards, exact_match, scoring_text
+from retriever.backends import Hit, SearchBackend
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ def shuffled_world_demonstrations(
     about any entity is taught.
     """
     from async_agent_rl.data.world import passages_of, questions_about, read_entities, shuffle_facts
-    from async_agent_rl.retriever.backends import open_backend
+    from retriever.backends import open_backend
 
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")

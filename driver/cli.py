@@ -27,6 +27,9 @@ from pathlib import Path
 from async_agent_rl.config import Config, ConfigError, config_reference, load_config
 from async_agent_rl.errors import InputError, error_line
 
+# Each command imports what it needs inside its handler, so that `config show` or `retriever serve` does not pay
+# for (or fail on) Ray, torch, DeepSpeed or vLLM.
+
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--config", required=required, help="YAML config file (configs/*.yaml)")
@@ -82,7 +85,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from async_agent_rl.prepare import prepare
+    from driver.prepare import prepare
 
     cfg = _config(args)
     for line in prepare(cfg, force=args.force):
@@ -91,7 +94,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from async_agent_rl.train import Trainer
+    from driver.train import Trainer
 
     if args.resume:
         if args.config or args.overrides:
@@ -109,7 +112,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     from actors.rollout_worker import PromptSource, RolloutWorker
     from actors.stack import local_stack, write_episodes
     from async_agent_rl.data.search_r1 import read_qa_files
-    from async_agent_rl.prepare import prepare
+    from driver.prepare import prepare
 
     cfg = _config(args)
     for line in prepare(cfg):
@@ -149,7 +152,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from actors.stack import read_episodes
-    from async_agent_rl.show import format_trajectory
+    from driver.show import format_trajectory
 
     trajs = read_episodes(args.file)
     if not trajs:
@@ -268,9 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(ev)
     ev.set_defaults(func=cmd_eval)
 
-    from async_agent_rl.bench import register as register_bench
-    from async_agent_rl.retriever.cli import register as register_retriever
-    from async_agent_rl.sft_cli import register as register_sft
+    from driver.bench import register as register_bench
+    from driver.sft_cli import register as register_sft
+    from retriever.cli import register as register_retriever
 
     register_retriever(sub)
     register_sft(sub)

@@ -1,7 +1,7 @@
 """``retriever`` commands: ``serve`` (a Search-R1-compatible server) and ``index`` (build and save an index).
 
 ``register(subparsers)`` adds them to the project CLI; each parsed command carries ``func(args) -> int``.
-``python -m async_agent_rl.retriever serve ...`` runs the same commands on their own.
+``python -m retriever serve ...`` runs the same commands on their own.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits
 from async_agent_rl.data.corpus import CorpusError, PassageList, read_corpus
 from async_agent_rl.errors import error_line
-from async_agent_rl.retriever.backends import build_backend, open_backend
-from async_agent_rl.retriever.server import serve_until_signalled
+from retriever.backends import build_backend, open_backend
+from retriever.server import serve_until_signalled
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _fail(error: Exception) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m async_agent_rl.retriever serve|index ...`` (the project CLI's ``retriever``)."""
+    """Entry point of ``python -m retriever serve|index ...`` (the project CLI's ``retriever``)."""
     parser = argparse.ArgumentParser(prog="async-agent-rl")
     register(parser.add_subparsers(dest="command", required=True))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -15,10 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from async_agent_rl.config import load_config
+
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from async_agent_rl.config import load_config
-    from learner.sft import run_sft
+    from learner.sft import run_sft  # here, not at the top: the CLI imports this module for every command
 
     cfg = load_config(args.config, args.overrides)
     model_dir = Path(cfg.model.path)

@@ -189,6 +189,8 @@ class BM25Backend:
 
 # ----------------------------------------------------------------------------------------------------------- dense
 def _import_optional(module: str, package: str) -> Any:
+    """``module``, imported on first use: faiss and sentence-transformers are the optional ``dense`` extra, needed
+    only by the dense backend."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
