@@ -21,9 +21,9 @@ Token structure (identical to a rollout, so SFT and RL train on the same kind of
 - every model turn is tokenized ON ITS OWN, ends with its stop string (``</search>`` / ``</answer>``, no EOS), and
   has ``loss_mask`` 1; every observation is tokenized on its own and has ``loss_mask`` 0. The transcript is never
   re-tokenized.
-- the same budgets as a rollout (``actors.episode.EpisodeSettings``): at most ``max_turns`` model turns, each within
-  ``min(max_tokens_per_turn, response budget left, context left)``, and an observation only when at least
-  ``min_turn_tokens`` remain after it for the next turn.
+- the same budgets as a rollout (``async_agent_rl.episode_settings.EpisodeSettings``): at most ``max_turns`` model
+  turns, each within ``min(max_tokens_per_turn, response budget left, context left)``, and an observation only when
+  at least ``min_turn_tokens`` remain after it for the next turn.
 
 The expert can be made imperfect, as demonstrations from a weaker model are (``sft.expert_search_prob``,
 ``sft.expert_second_hop_prob``): in a share of its episodes it answers at once without searching (a guess: the

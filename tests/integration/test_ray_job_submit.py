@@ -245,7 +245,7 @@ def test_ray_job_submit_runs_a_short_training_to_completion(ray_cluster, tmp_pat
                    if p.is_dir()})  # session_latest is a link to the session
     assert len(pkgs) == 1, f"expected one unpacked working dir under {temp_dir}, found {pkgs}"
     pkg = pkgs[0]
-    assert (pkg / "configs" / "quickstart.yaml").is_file() and (pkg / "async_agent_rl" / "train.py").is_file()
+    assert (pkg / "configs" / "quickstart.yaml").is_file() and (pkg / "driver" / "train.py").is_file()
     for excluded in (".venv", ".git"):
         assert not (pkg / excluded).exists(), f"{excluded} was uploaded with --working-dir ."
     uploaded = sum(f.stat().st_size for f in pkg.rglob("*") if f.is_file() and "runs" not in f.relative_to(pkg).parts)
