@@ -61,15 +61,6 @@ class TrainBatch:
         """(B,) int64: prompt + response tokens of each row (padding excluded)."""
         return self.attention_mask.sum(dim=1)
 
-    def select(self, rows: Sequence[int]) -> "TrainBatch":
-        """Rows ``rows`` (in that order), with padding trimmed to the longest selected row.
-        ``group_index`` keeps the values of the full batch, so advantages computed on it stay addressable."""
-        idx = torch.as_tensor(list(rows), dtype=torch.long)
-        width = int(self.seq_lengths[idx].max()) if len(idx) else 0
-        fields = {name: getattr(self, name)[idx, :width] for name in _PER_TOKEN}
-        fields.update({name: getattr(self, name)[idx] for name in _PER_ROW})
-        return TrainBatch(**fields, metas=[self.metas[i] for i in idx.tolist()])
-
     def summary(self) -> dict[str, float]:
         """What the batch's episodes looked like (means over rows): ``response_length`` (model + observation
         tokens), ``generated_tokens``, ``searches``, ``search_errors``, ``turns``, ``answered`` (fraction that
@@ -140,30 +131,3 @@ def pack_batch(trajs: Sequence[Trajectory], pad_id: int, pad_to_multiple_of: int
         group_index=torch.from_numpy(group_index),
         metas=[t.meta for t in trajs],
     )
-
-
-def micro_batches_by_tokens(seq_lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Split rows into micro-batches whose padded size ``rows * longest row`` stays within ``max_tokens``.
-
-    Rows are taken longest first and a micro-batch is closed when the next row would overflow it, so each
-    micro-batch holds rows of similar length (little padding) and long and short episodes balance: a micro-batch of
-    long rows has few of them, one of short rows many. Returns row indices; every row appears exactly once.
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    order = sorted(range(len(seq_lengths)), key=lambda i: -seq_lengths[i])
-    parts: list[list[int]] = []
-    for i in order:
-        if seq_lengths[i] > max_tokens:
-            raise ValueError(f"row {i} has {seq_lengths[i]} tokens, more than the micro-batch budget {max_tokens}")
-        # rows arrive longest first, so a part's longest row is its first
-        if parts and (len(parts[-1]) + 1) * seq_lengths[parts[-1][0]] <= max_tokens:
-            parts[-1].append(i)
-        else:
-            parts.append([i])
-    return parts
-
-
-def split_by_tokens(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
-    """``batch`` cut into micro-batches of at most ``max_tokens`` padded tokens (see ``micro_batches_by_tokens``)."""
-    return [batch.select(rows) for rows in micro_batches_by_tokens(batch.seq_lengths.tolist(), max_tokens)]

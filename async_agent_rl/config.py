@@ -539,10 +539,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return build_config(tree, source)
 
 
-def config_json(cfg: Config) -> str:
-    return json.dumps(cfg.to_dict(), sort_keys=True)
-
-
 def config_reference() -> str:
     """Markdown reference of every section and key: type, default, description (docs/CONFIG.md)."""
     import typing

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import msgpack
 import numpy as np
@@ -37,24 +37,13 @@ OBS_VERSION = -1
 TurnKind = Literal["model", "observation"]
 TURN_KINDS = ("model", "observation")
 
-FinishReason = Literal[
+FinishReason = Literal[  # how an episode ended (``actors.episode``; a demonstration always ends on "answer")
     "answer",  # the model gave an <answer>
     "max_turns",  # the turn limit was reached without an answer
     "response_budget",  # the total response token budget ran out
     "context_limit",  # the next turn would not fit in the model's context
-    "engine_stop",  # the engine ended the turn with EOS or its own length limit and no action
     "aborted",  # the engine aborted the request (shutdown, weight update in abort mode)
-    "error",  # the episode failed; see metadata.extra["error"]
 ]
-FINISH_REASONS = (
-    "answer",
-    "max_turns",
-    "response_budget",
-    "context_limit",
-    "engine_stop",
-    "aborted",
-    "error",
-)
 
 
 class RecordError(ValueError):
@@ -83,7 +72,7 @@ class EpisodeMeta:
     num_searches: int = 0
     num_search_errors: int = 0
     num_turns: int = 0
-    finish_reason: str = "answer"
+    finish_reason: FinishReason = "answer"
     trajectory_id: str = ""
     actor_id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -244,11 +233,3 @@ def _from_bytes(buf: Any, dtype: str, name: str) -> np.ndarray:
     if len(buf) % size:
         raise RecordError(f"trajectory field {name!r} has {len(buf)} bytes, not a multiple of {size}")
     return np.frombuffer(buf, dtype=dtype)
-
-
-def encode_many(trajs: Iterable[Trajectory]) -> list[bytes]:
-    return [t.encode() for t in trajs]
-
-
-def decode_many(blobs: Iterable[bytes]) -> list[Trajectory]:
-    return [Trajectory.decode(b) for b in blobs]

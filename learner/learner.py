@@ -555,10 +555,6 @@ class Learner:
         return out
 
     # ----------------------------------------------------------------------------------------- publishing
-    def publish_due(self) -> bool:
-        """True after every ``weight_sync.every_steps``-th step: time to ``bump_version`` and publish."""
-        return self.step > 0 and self.step % self.cfg.weight_sync.every_steps == 0
-
     def bump_version(self) -> int:
         """Advance the policy version (call on every rank, once per publish); returns the new version."""
         self.version += 1

@@ -104,7 +104,8 @@ ROLLOUT_TURNS = _define(
     "model turns in finished episodes (stats key 'turns'; turns per episode = rate(this) / rate(finished))", A)
 ROLLOUT_FINISH_REASONS = _define(
     "rollout", "aar_rollout_finish_reasons_total", COUNTER,
-    "finished episodes by how they ended (answer, max_turns, length, ...)", ("actor", "reason"))
+    "finished episodes by how they ended (answer, max_turns, response_budget, context_limit, aborted)",
+    ("actor", "reason"))
 ROLLOUT_REWARD_MEAN = _define(
     "rollout", "aar_rollout_episode_reward_mean", GAUGE,
     "mean reward of the episodes finished since the previous update", A)

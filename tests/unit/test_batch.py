@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from async_agent_rl.batch import TrainBatch, micro_batches_by_tokens, pack_batch, split_by_tokens
+from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 
 PAD = 0
@@ -92,37 +90,8 @@ def test_wire_round_trip_packs_the_same():
         assert torch.equal(getattr(direct, name), getattr(wired, name))
 
 
-def test_select_trims_padding_and_keeps_group_index():
+def test_to_moves_every_field():
     b = pack_batch([two_turn("a"), one_turn("b"), one_turn("a")], PAD)
-    sub = b.select([2, 1])
-    assert sub.input_ids.tolist() == [[7, 8, 9, 41], [7, 8, 9, 41]]
-    assert sub.group_index.tolist() == [0, 1]
-    assert [m.group_id for m in sub.metas] == ["a", "b"]
-    assert isinstance(sub.to("cpu"), TrainBatch) and sub.to("cpu").input_ids.device.type == "cpu"
-
-
-def test_micro_batches_by_hand():
-    # lengths 10, 3, 9, 2, 2 with a budget of 20 padded tokens: [10, 9] costs 20, then [3, 2, 2] costs 9
-    assert micro_batches_by_tokens([10, 3, 9, 2, 2], 20) == [[0, 2], [1, 3, 4]]
-    with pytest.raises(ValueError, match="row 1 has 30 tokens"):
-        micro_batches_by_tokens([5, 30], 20)
-
-
-@settings(max_examples=200, deadline=None)
-@given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=40), budget=st.integers(50, 400))
-def test_micro_batches_cover_every_row_once_within_budget(lengths, budget):
-    parts = micro_batches_by_tokens(lengths, budget)
-    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
-    for p in parts:
-        assert len(p) * max(lengths[i] for i in p) <= budget
-    # no two consecutive parts could have been merged
-    for a, b in zip(parts, parts[1:]):
-        assert (len(a) + 1) * max(lengths[i] for i in a) > budget
-
-
-def test_split_by_tokens_rows_add_up():
-    b = pack_batch([two_turn("a"), one_turn("b"), one_turn("c"), two_turn("d")], PAD)
-    parts = split_by_tokens(b, max_tokens=12)
-    assert sorted(m.group_id for p in parts for m in p.metas) == ["a", "b", "c", "d"]
-    assert all(p.input_ids.numel() <= 12 for p in parts)
-    assert sum(int(p.loss_mask.sum()) for p in parts) == int(b.loss_mask.sum())
+    moved = b.to("cpu")
+    assert isinstance(moved, TrainBatch) and moved.input_ids.device.type == "cpu"
+    assert torch.equal(moved.group_index, b.group_index) and [m.group_id for m in moved.metas] == ["a", "b", "a"]
