@@ -19,8 +19,9 @@ import ray
 
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config
+from async_agent_rl.net import free_port
 from learner.checkpoint import load_checkpoint, save_checkpoint
-from learner.learner import Learner, free_port
+from learner.learner import Learner
 
 
 class LearnerActor:

@@ -76,7 +76,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
@@ -98,6 +97,7 @@ from async_agent_rl.algorithms import (
 )
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config, LearnerConfig
+from async_agent_rl.net import free_port
 
 MAX_METRICS = ("iw_max",)  # reduced by max over micro-batches; every other metric by a unit-weighted mean
 
@@ -114,13 +114,6 @@ def require_finite(step: int, what: str, values: Iterator[tuple[str, Any]]) -> N
         raise NonFiniteError(f"learner step {step}: non-finite {what}: {', '.join(bad[:5])}"
                              f"{' ...' if len(bad) > 5 else ''}; training stopped, nothing of this step was published "
                              "or saved (the last checkpoint is the last good policy)")
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for MASTER_PORT)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:

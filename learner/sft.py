@@ -42,6 +42,7 @@ from torch import Tensor
 from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import Config
 from async_agent_rl.records import Trajectory
+from learner.learner import lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -130,14 +131,6 @@ def evaluate_nll(model: Any, trajs: Sequence[Trajectory], pad_id: int, batch_siz
     return total / max(1, count)
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """LR multiplier for 0-based ``step``: ``(step+1)/warmup`` during warmup, then cosine from 1 to 0."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 def epoch_batches(lengths: Sequence[int], batch_size: int, epochs: int, seed: int, pool: int = 8) -> list[list[int]]:
     """Row indices of every step. Each epoch: a fresh seeded shuffle, cut into pools of ``pool * batch_size`` rows,
     each pool sorted by length and cut into batches (similar lengths pad little), then the epoch's batches shuffled.
@@ -184,7 +177,7 @@ def pretrain_on_texts(
     model.train()
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / max(1, warmup_steps))
+            g["lr"] = lr * lr_factor(step, warmup_steps=warmup_steps, total_steps=steps, schedule="constant")
         starts = torch.randint(0, len(stream) - seq_len, (batch_size,), generator=gen).tolist()
         x = torch.stack([data[i : i + seq_len] for i in starts])
         hidden = model.base_model(input_ids=x, use_cache=False).last_hidden_state[:, :-1]
@@ -303,7 +296,7 @@ def train_on_batches(
             if trained_s >= time_budget_s:
                 break
             total = max(step + 1, int(step * time_budget_s / trained_s) if trained_s > 0 else 0)
-        step_lr = lr * lr_factor(step, warmup_steps, total)
+        step_lr = lr * lr_factor(step, warmup_steps=warmup_steps, total_steps=total, schedule="cosine")
         for g in opt.param_groups:
             g["lr"] = step_lr
         batch = pack_batch(list(trajs), pad_id)
@@ -323,12 +316,6 @@ def train_on_batches(
     return losses, tokens, loss_tokens
 
 
-def _freeze_names_default(cfg: Config, pretrain_steps: int) -> bool:
-    """``cfg.sft.freeze_entity_embeddings`` when the config has it, else whether there was pretraining: frozen
-    names only make sense once pretraining made them generic."""
-    return bool(getattr(cfg.sft, "freeze_entity_embeddings", pretrain_steps > 0))
-
-
 def run_sft(
     cfg: Config,
     model_dir: str | Path,
@@ -342,12 +329,12 @@ def run_sft(
 ) -> dict[str, Any]:
     """Warm-start the model in ``model_dir`` and save it (and its tokenizer) into ``out_dir``.
 
-    1. Pretraining (``pretrain_steps``, default ``cfg.sft.pretrain_steps`` when the config has it, else 0):
+    1. Pretraining (``pretrain_steps``, default ``cfg.sft.pretrain_steps``):
        ``pretrain_on_texts`` over ``demos.shuffled_world_observations`` of ``data.world_dir/world.json``.
     2. Masked SFT on ``demos`` (default ``build_demonstrations``: ``cfg.sft.num_demos``) for ``cfg.sft.epochs``,
        with the embedding rows of entity-name tokens (``entity_token_ids`` of the corpus titles) frozen when
-       ``freeze_entity_embeddings`` (default ``cfg.sft.freeze_entity_embeddings`` when present, else
-       ``pretrain_steps > 0``).
+       ``freeze_entity_embeddings`` (default: when there was pretraining, ``pretrain_steps > 0``: frozen names only
+       make sense once pretraining made them generic).
 
     Why both (measured on the quickstart world, see the module docstring): a random-init model trained on the
     demonstrations alone learns the format but not to copy a name it has not seen as a target, so held-out queries
@@ -367,9 +354,9 @@ def run_sft(
     from learner.demos import DemoReport
 
     s = cfg.sft
-    pretrain_steps = int(getattr(s, "pretrain_steps", 0) or 0) if pretrain_steps is None else pretrain_steps
+    pretrain_steps = s.pretrain_steps if pretrain_steps is None else pretrain_steps
     if freeze_entity_embeddings is None:
-        freeze_entity_embeddings = _freeze_names_default(cfg, pretrain_steps)
+        freeze_entity_embeddings = pretrain_steps > 0
     random.seed(s.seed)
     torch.manual_seed(s.seed)
     out = Path(out_dir)
@@ -492,7 +479,7 @@ def continue_sft(
     model = AutoModelForCausalLM.from_pretrained(warm_start_dir, dtype=torch.float32)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     frozen: list[int] = []
-    if _freeze_names_default(cfg, int(s.pretrain_steps)):
+    if s.pretrain_steps > 0:  # frozen as in run_sft: names are frozen only after pretraining
         frozen = entity_token_ids(tokenizer, [p.title for p in read_corpus(cfg.data.corpus_file)])
         freeze_embedding_rows(model, frozen)
 

@@ -24,7 +24,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
+from async_agent_rl.net import free_port
 from monitoring.exporter import LOOPBACK, prometheus_config
 
 BINARY = "prometheus"
@@ -61,12 +61,6 @@ class QueryFailure(NamedTuple):
 def prometheus_binary() -> Optional[str]:
     """The ``prometheus`` on PATH, or None (``scripts/install_prometheus.sh`` installs it)."""
     return shutil.which(BINARY)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(folder: str | os.PathLike, sd_file: str | os.PathLike, scrape_interval: str = "1s") -> Path:
