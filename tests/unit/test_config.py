@@ -1,11 +1,9 @@
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from async_agent_rl.config import Config, ConfigError, load_config, parse_override
+from async_agent_rl.config import ConfigError, load_config, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
@@ -92,25 +90,6 @@ def test_saved_config_round_trips(tmp_path):
     path = cfg.save(tmp_path / "resolved.yaml")
     again = load_config(path)
     assert again == cfg and again.learner.lr == 0.5
-
-
-def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "driver.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
-
-
-def test_cli_config_show_prints_resolved_config():
-    r = _cli("config", "show", "--config", "configs/quickstart.yaml", "algorithm.clip_ratio_high=0.28")
-    assert r.returncode == 0, r.stderr
-    shown = Config.model_validate(yaml.safe_load(r.stdout))
-    assert shown.algorithm.clip_ratio_high == pytest.approx(0.28)
-
-
-def test_cli_config_show_rejects_unknown_key_with_path():
-    r = _cli("config", "show", "--config", "configs/quickstart.yaml", "rollout.max_turn=3")
-    assert r.returncode != 0
-    assert "rollout.max_turn" in r.stderr
 
 
 def test_config_reference_doc_is_current():

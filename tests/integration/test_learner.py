@@ -15,7 +15,9 @@ import torch
 from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
-from learner.learner import Learner, lr_factor
+from learner.learner import Learner
+
+pytestmark = pytest.mark.integration
 
 PAD = 0
 
@@ -94,13 +96,6 @@ def observation_positions(batch: TrainBatch, row: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------------- tests
-def test_lr_factor_warmup_then_schedule():
-    kw = dict(warmup_steps=2, total_steps=6)
-    assert [lr_factor(s, schedule="constant", **kw) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
-    assert [lr_factor(s, schedule="linear", **kw) for s in range(2, 7)] == [1.0, 0.75, 0.5, 0.25, 0.0]
-    assert lr_factor(4, schedule="cosine", **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
-
-
 def test_lr_schedule_and_gradient_clipping_reach_the_optimizer(tiny_model_dir, hf_model):
     """Warmup then linear decay, as ``lr_factor``; a clip norm of 1e-12 leaves Adam steps of ~lr * 1e-6 where an
     unclipped first step moves every trained weight by ~lr."""

@@ -24,6 +24,8 @@ from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.render import INFORMATION_CLOSE
 
+pytestmark = pytest.mark.integration
+
 
 class ScriptedEngine:
     """Returns the given turn texts in order, tokenized; records every request it got."""

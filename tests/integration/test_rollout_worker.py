@@ -18,6 +18,8 @@ from async_agent_rl.config import SearchClientConfig
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode_settings import EpisodeSettings
 
+pytestmark = pytest.mark.integration
+
 
 class TimedEngine:
     """Episode ``i`` (known by its prompt) searches ``i % 3`` times, then answers. Each generation sleeps a

@@ -1,5 +1,5 @@
-"""Fixtures of the unit tests that drive the episode loop: a REAL BM25 retrieval server on loopback (in a thread)
-over the session's world, and the tiny model's tokenizer."""
+"""Fixtures of the integration tests that drive the episode loop: a REAL BM25 retrieval server on loopback (in a
+thread) over the session's world."""
 
 from __future__ import annotations
 
@@ -15,10 +15,3 @@ def server(world_dir):
     srv = start_server_in_thread(BM25Backend.build(read_corpus(world_dir / "corpus.jsonl")))
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
