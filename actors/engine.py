@@ -54,35 +54,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
 from async_agent_rl.config import Config, RolloutConfig
-from async_agent_rl.prompts import STOP_STRINGS
+from async_agent_rl.episode import TurnEngine, TurnOutput, TurnRequest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TurnRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: Sequence[str] = STOP_STRINGS
-    seed: int | None = None
-
-
-@dataclass
-class TurnOutput:
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    text: str
-    finish_reason: str  # "stop" (stop string or EOS), "length", "abort"
-    stop_reason: Any = None
 
 
 @dataclass
@@ -98,10 +77,8 @@ class WeightsError(ValueError):
     """A weight update is incomplete or does not fit the model; nothing was loaded."""
 
 
-class Engine(Protocol):
-    version: int
-
-    async def generate(self, req: TurnRequest) -> TurnOutput: ...
+class Engine(TurnEngine, Protocol):
+    """An episode's engine (``async_agent_rl.episode.TurnEngine``) that also takes weight updates."""
 
     async def update_weights(self, version: int, weights: Mapping[str, Any], mode: str = "pause") -> WeightUpdateStats: ...
 

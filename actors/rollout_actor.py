@@ -15,11 +15,11 @@ from typing import Any, Mapping
 import ray
 
 from actors.engine import create_engine
-from actors.episode import EpisodeRunner
 from actors.rollout_worker import PromptSource, RolloutWorker
 from actors.search_client import SearchClient
 from async_agent_rl.config import Config
 from async_agent_rl.data.search_r1 import read_qa_files
+from async_agent_rl.episode import EpisodeRunner
 from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.errors import InputError
 from async_agent_rl.records import Trajectory

@@ -26,9 +26,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence
 
-from actors.episode import EpisodeRunner
 from actors.lockstep import LockstepEngine, TurnBarrier
 from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.episode import EpisodeRunner
 from async_agent_rl.records import Trajectory
 
 log = logging.getLogger(__name__)

@@ -22,31 +22,17 @@ import json
 import math
 import random
 from collections import Counter
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from async_agent_rl.config import SearchClientConfig
+from async_agent_rl.episode import ErrorKind, SearchError
 from retriever.backends import Hit
 
-ErrorKind = Literal["timeout", "connection", "http_status", "bad_reply"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("timeout", "connection", "http_status", "bad_reply")
 RETRYABLE_STATUS = frozenset({408, 429})
-
-
-class SearchError(Exception):
-    """A search that failed. ``kind``: timeout | connection | http_status | bad_reply; ``status``: the HTTP status."""
-
-    def __init__(
-        self, kind: ErrorKind, message: str, attempts: int = 1, status: int | None = None, retryable: bool = False
-    ):
-        super().__init__(f"search failed ({kind}): {message}")
-        self.kind = kind
-        self.message = message
-        self.attempts = attempts
-        self.status = status
-        self.retryable = retryable
 
 
 def retrieve_url(url: str) -> str:

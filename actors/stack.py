@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import AsyncIterator, Iterable, Sequence
 
 from actors.engine import Engine, create_engine
-from actors.episode import EpisodeRunner
 from actors.search_client import SearchClient
 from async_agent_rl.config import Config
 from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.episode import EpisodeRunner
 from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.records import Trajectory
 from async_agent_rl.rewards import exact_match, f1, scoring_text

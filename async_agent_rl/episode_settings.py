@@ -1,7 +1,7 @@
 """An episode's budgets, sampling and prompt settings, read from a ``Config`` once.
 
-Shared by the rollout episode loop (``actors.episode``) and the demonstration writer (``learner.demos``), which
-must produce episodes within the same budgets; it lives in the core so that neither imports the other.
+Read by the episode loop (``async_agent_rl.episode.EpisodeRunner``), which both the rollout actors and the
+demonstration writer (``learner.demos``) run.
 """
 
 from __future__ import annotations

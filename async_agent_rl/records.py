@@ -37,7 +37,7 @@ OBS_VERSION = -1
 TurnKind = Literal["model", "observation"]
 TURN_KINDS = ("model", "observation")
 
-FinishReason = Literal[  # how an episode ended (``actors.episode``; a demonstration always ends on "answer")
+FinishReason = Literal[  # how an episode ended (``async_agent_rl.episode``; a demonstration always ends on "answer")
     "answer",  # the model gave an <answer>
     "max_turns",  # the turn limit was reached without an answer
     "response_budget",  # the total response token budget ran out

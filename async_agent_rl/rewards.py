@@ -17,7 +17,7 @@ What the rewards read: ``scoring_text(pieces)``, the response as the model wrote
 replaced by one empty ``<information></information>`` block. Observations are the environment's words: an answer
 tag inside one (the invalid-action observation itself names ``<answer> and </answer>``; a retrieved passage may
 hold any tag) is never the model's answer, and a format check sees one opaque observation block in its place.
-Training rewards (``actors.episode``) and evaluation (``actors.stack.score_episodes``) both score this view.
+Training rewards (``async_agent_rl.episode``) and evaluation (``actors.stack.score_episodes``) both score this view.
 
 Each function has the uniform signature ``fn(response_text, gold_answers, **context) -> float`` and is registered
 by name in ``REWARD_FUNCTIONS`` so a config can list weighted terms.

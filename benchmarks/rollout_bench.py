@@ -45,7 +45,7 @@ async def run_async(runner, examples, concurrency, group_size):
 
 
 async def run_sync(runner, examples, concurrency):
-    from actors.episode import EpisodeRunner
+    from async_agent_rl.episode import EpisodeRunner
     from actors.lockstep import LockstepEngine, TurnBarrier
 
     out = []
@@ -107,7 +107,7 @@ async def main(args) -> dict:
     from transformers import AutoTokenizer
 
     from actors.engine import VLLMEngine
-    from actors.episode import EpisodeRunner
+    from async_agent_rl.episode import EpisodeRunner
     from actors.search_client import SearchClient
     from async_agent_rl.config import load_config
     from async_agent_rl.data.search_r1 import read_qa_parquet

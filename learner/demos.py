@@ -10,20 +10,18 @@ agent should::
                 <think> Now I need to search {bridge}. </think>\\n<search> {bridge} </search> [observation]
                 <think> I found the answer. </think>\\n<answer> {answer} </answer>
 
-Observations are what the retriever REALLY returns for the query (``backend.search([query], retriever.topk)``),
-rendered and cut exactly as ``actors.episode.EpisodeRunner`` does (``render_information`` + ``truncate_observation``
-to ``rollout.max_obs_length``, closing tag kept).
+A demonstration IS a rollout episode: :meth:`DemoExpert.demonstrate` runs the rollouts' own episode loop
+(``async_agent_rl.episode.EpisodeRunner``) with a scripted engine (:class:`ExpertEngine`, which emits the expert's
+planned turns) and the configured search backend in process (``retriever.backends.InProcessSearch``: what the
+retriever REALLY returns for the query, cached per query). Prompt, observations (rendering, truncation to
+``rollout.max_obs_length``), budgets, loss mask, turn spans, versions and rewards therefore come from the same code as
+a rollout's, so SFT and RL train on the same sequences by construction:
 
-Token structure (identical to a rollout, so SFT and RL train on the same kind of sequence):
-
-- ``prompt_ids`` = ``prompt_ids(tokenizer, [user message], data.apply_chat_template)`` with the message rendered by
-  ``render_question_prompt(question, data.prompt_template)`` (or the dataset's prompt with ``data.prompt_from``).
 - every model turn is tokenized ON ITS OWN, ends with its stop string (``</search>`` / ``</answer>``, no EOS), and
-  has ``loss_mask`` 1; every observation is tokenized on its own and has ``loss_mask`` 0. The transcript is never
-  re-tokenized.
-- the same budgets as a rollout (``async_agent_rl.episode_settings.EpisodeSettings``): at most ``max_turns`` model
-  turns, each within ``min(max_tokens_per_turn, response budget left, context left)``, and an observation only when
-  at least ``min_turn_tokens`` remain after it for the next turn.
+  has ``loss_mask`` 1, behaviour log-prob 0.0 and version ``DEMO_VERSION``; observations have ``loss_mask`` 0.
+- a planned turn longer than the budget the runner offers (``req.max_tokens``) fails the demonstration
+  (``turn_too_long``), as does an episode the runner ends before the expert's answer (``response_budget``: no room
+  for a turn after an observation; ``too_many_turns``: ``rollout.max_turns`` reached).
 
 The expert can be made imperfect, as demonstrations from a weaker model are (``sft.expert_search_prob``,
 ``sft.expert_second_hop_prob``): in a share of its episodes it answers at once without searching (a guess: the
@@ -47,7 +45,6 @@ about every entity of the world with all facts shuffled (reading and copying, no
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections import Counter
@@ -58,12 +55,12 @@ from typing import Any, Sequence
 from async_agent_rl.config import Config
 from async_agent_rl.data.corpus import Passage
 from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.episode import EmptyEpisodeError, EpisodeRunner, PromptTooLongError, TurnOutput, TurnRequest
 from async_agent_rl.episode_settings import EpisodeSettings
-from async_agent_rl.prompts import prompt_ids, render_question_prompt
-from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
-from async_agent_rl.render import INFORMATION_CLOSE, render_information, truncate_observation
-from async_agent_rl.rewards import compute_rewards, exact_match, scoring_text
-from retriever.backends import Hit, SearchBackend
+from async_agent_rl.records import EpisodeMeta, Trajectory
+from async_agent_rl.render import render_information
+from async_agent_rl.rewards import exact_match
+from retriever.backends import Hit, InProcessSearch, SearchBackend
 
 log = logging.getLogger(__name__)
 
@@ -105,48 +102,61 @@ class DemoReport:
         return sum(self.failed.values())
 
 
-class _Builder:
-    """Builds one demonstration trajectory turn by turn, enforcing the rollout's budgets."""
+class ExpertEngine:
+    """A scripted engine for one demonstration: the engine an ``EpisodeRunner`` drives (``TurnEngine``), emitting the
+    expert's planned turns in order.
 
-    def __init__(self, ex: QAExample, prompt: list[int], s: EpisodeSettings):
-        self.ex, self.prompt, self.s = ex, prompt, s
-        self.resp: list[int] = []
-        self.mask: list[int] = []
-        self.turns: list[TurnSpan] = []
-        self.texts: list[str] = []
+    Each turn is the tokenization of its text on its own, with behaviour log-probs 0.0 and versions
+    ``DEMO_VERSION``. A turn longer than the budget the runner offers (``req.max_tokens``) raises ``turn_too_long``.
+    Before the turn after a search, the observation the runner appended (the tokens it added to the prompt) must show
+    what that turn needs (the bridge entity to search next, or the answer), else ``bridge_not_retrieved`` /
+    ``answer_not_retrieved``.
+    """
 
-    def _fail(self, reason: str, detail: str = "") -> DemoError:
-        return DemoError(self.ex.id, reason, detail)
+    version = DEMO_VERSION
 
-    def model_turn(self, ids: list[int], text: str) -> None:
-        s = self.s
-        if sum(t.kind == "model" for t in self.turns) >= s.max_turns:
-            raise self._fail("too_many_turns", f"rollout.max_turns={s.max_turns}")
-        budget = min(
-            s.max_tokens_per_turn,
-            s.max_response_length - len(self.resp),
-            s.max_model_len - len(self.prompt) - len(self.resp),
-        )
-        if len(ids) > budget:
-            raise self._fail("turn_too_long", f"{len(ids)} tokens, budget {budget}: {text!r}")
-        self._append("model", ids, 1, text)
+    def __init__(self, tokenizer: Any, question_id: str, queries: Sequence[str], answer: str, turns: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.question_id = question_id
+        self.queries, self.answer, self.turns = list(queries), answer, list(turns)
+        self.emitted = 0  # planned turns returned so far
+        self._end = 0  # length of the token sequence after the last returned turn
 
-    def observation(self, ids: list[int], text: str) -> None:
-        after = len(self.resp) + len(ids)
-        room = min(self.s.max_response_length - after, self.s.max_model_len - len(self.prompt) - after)
-        if room < self.s.min_turn_tokens:
-            raise self._fail("response_budget", f"no room for a turn after a {len(ids)}-token observation")
-        self._append("observation", ids, 0, text)
+    async def generate(self, req: TurnRequest) -> TurnOutput:
+        if self.emitted >= len(self.turns):
+            raise RuntimeError(f"question {self.question_id!r}: the episode asked for a turn after the expert's answer")
+        if self.emitted:
+            self.check_observation(self.emitted - 1, req.prompt_ids[self._end :])
+        text = self.turns[self.emitted]
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) > req.max_tokens:
+            raise DemoError(self.question_id, "turn_too_long", f"{len(ids)} tokens, budget {req.max_tokens}: {text!r}")
+        self.emitted += 1
+        self._end = len(req.prompt_ids) + len(ids)
+        decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return TurnOutput(ids, [0.0] * len(ids), [DEMO_VERSION] * len(ids), decoded, "stop")
 
-    def _append(self, kind: str, ids: list[int], m: int, text: str) -> None:
-        self.turns.append(TurnSpan(kind, len(self.resp), len(self.resp) + len(ids)))  # type: ignore[arg-type]
-        self.resp += ids
-        self.mask += [m] * len(ids)
-        self.texts.append(text)
+    def check_observation(self, i: int, obs_ids: Sequence[int]) -> None:
+        """The observation after search ``i`` must show what the next turn needs, as the model reads it."""
+        needed = self.queries[i + 1] if i + 1 < len(self.queries) else self.answer
+        if needed not in self.tokenizer.decode(list(obs_ids), skip_special_tokens=True):
+            reason = "bridge_not_retrieved" if i + 1 < len(self.queries) else "answer_not_retrieved"
+            raise DemoError(self.question_id, reason, f"{needed!r} not in the observation for {self.queries[i]!r}")
+
+
+def _run_to_completion(coro: Any) -> Any:
+    """Run a coroutine that never waits on anything (the scripted engine and the in-process search answer at once)
+    without an event loop, so demonstrations can be made from inside a running one too."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a demonstration episode waited on something; its engine and search tool must not")
 
 
 class DemoExpert:
-    """The scripted expert for one config + tokenizer + search backend; :meth:`demonstrate` builds one episode.
+    """The scripted expert for one config + tokenizer + search backend; :meth:`demonstrate` runs one episode.
 
     Retrieval results are cached per query (the backend is deterministic), and :meth:`prefetch` runs one batched
     search for many questions.
@@ -157,11 +167,7 @@ class DemoExpert:
         self.tokenizer = tokenizer
         self.backend = backend
         self.s = EpisodeSettings.from_config(cfg)
-        self.topk = cfg.retriever.topk
-        self._closing_ids = self._encode(INFORMATION_CLOSE)
-        self._hits: dict[str, list[Hit]] = {}
-        self._obs: dict[str, tuple[list[int], str]] = {}
-        self._reward_terms = [(t.name, t.weight) for t in cfg.reward.terms]
+        self.search_tool = InProcessSearch(backend, cfg.retriever.topk)
         self.search_prob = cfg.sft.expert_search_prob
         self.second_hop_prob = cfg.sft.expert_second_hop_prob
         self.guesses: dict[str, str] = {}  # relation -> the guess of a GUESS demonstration (see set_guesses)
@@ -184,40 +190,12 @@ class DemoExpert:
             return ONE_HOP
         return THOROUGH
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def prompt_ids_for(self, ex: QAExample) -> list[int]:
-        """``EpisodeRunner.prompt_ids_for`` semantics."""
-        d = self.cfg.data
-        if d.prompt_from == "dataset" and ex.prompt_messages:
-            messages = ex.prompt_messages
-        else:
-            messages = [{"role": "user", "content": render_question_prompt(ex.question, d.prompt_template)}]
-        return prompt_ids(self.tokenizer, messages, d.apply_chat_template)
-
     def prefetch(self, examples: Sequence[QAExample]) -> None:
-        queries = sorted(
-            {q for ex in examples for q in (ex.extra.get("subject"), ex.extra.get("bridge")) if q} - set(self._hits)
-        )
-        if queries:
-            self._hits.update(zip(queries, self.backend.search(queries, self.topk)))
+        queries = [q for ex in examples for q in (ex.extra.get("subject"), ex.extra.get("bridge")) if q]
+        self.search_tool.prefetch(queries)
 
     def search(self, query: str) -> list[Hit]:
-        if query not in self._hits:
-            self._hits[query] = self.backend.search([query], self.topk)[0]
-        return self._hits[query]
-
-    def observation_ids(self, hits: Sequence[Hit]) -> list[int]:
-        """The observation exactly as ``EpisodeRunner`` appends it after a search returning ``hits``."""
-        return truncate_observation(self._encode(render_information(hits)), self.s.max_obs_length, self._closing_ids)
-
-    def _observation(self, query: str, hits: Sequence[Hit]) -> tuple[list[int], str]:
-        if query not in self._obs:
-            ids = self.observation_ids(hits)
-            self._obs[query] = (ids, self.tokenizer.decode(ids, skip_special_tokens=True))
-        ids, text = self._obs[query]
-        return list(ids), text
+        return self.search_tool.search_now(query)
 
     def plan(self, ex: QAExample) -> list[str]:
         """The expert's search queries for ``ex``: [subject] or [subject, bridge]."""
@@ -242,42 +220,38 @@ class DemoExpert:
                 raise DemoError(ex.id, "no_guess", "set_guesses was not given any question")
         elif behaviour == ONE_HOP and len(queries) == 2:
             queries, answer = queries[:1], queries[1]
-        b = _Builder(ex, self.prompt_ids_for(ex), self.s)
-        retrieved: list[str] = []
-        for i, query in enumerate(queries):
-            text = (SEARCH_TURN if i == 0 else BRIDGE_TURN).format(query=query)
-            b.model_turn(self._encode(text), text)
-            hits = self.search(query)
-            obs_ids, obs_text = self._observation(query, hits)
-            retrieved.append(obs_text)  # what the model sees of the passages, as for rollouts
-            # what the next turn needs must be readable in the observation the model actually sees
-            needed = queries[i + 1] if i + 1 < len(queries) else answer
-            if needed not in obs_text:
-                reason = "bridge_not_retrieved" if i + 1 < len(queries) else "answer_not_retrieved"
-                raise DemoError(ex.id, reason, f"{needed!r} not in the observation for {query!r}")
-            b.observation(obs_ids, obs_text)
-        text = answer_turn.format(answer=answer)
-        ids = self._encode(text)
-        b.model_turn(ids, text)
-        response_text = scoring_text(zip((t.kind for t in b.turns), b.texts))
-        if exact_match(self.tokenizer.decode(ids, skip_special_tokens=True), [answer]) != 1.0:
+        turns = [(SEARCH_TURN if i == 0 else BRIDGE_TURN).format(query=q) for i, q in enumerate(queries)]
+        engine = ExpertEngine(self.tokenizer, ex.id, queries, answer, turns + [answer_turn.format(answer=answer)])
+        runner = EpisodeRunner(engine, self.search_tool, self.tokenizer, self.s)
+        tid = trajectory_id or f"demo/{ex.id}"
+        try:
+            traj: Trajectory = _run_to_completion(runner.run(ex, group_id=f"demo/{ex.id}", trajectory_id=tid))
+        except PromptTooLongError as e:
+            raise DemoError(ex.id, "prompt_too_long", str(e)) from None
+        except EmptyEpisodeError as e:  # no context left for the first turn
+            raise DemoError(ex.id, "turn_too_long", str(e)) from None
+        if traj.meta.finish_reason != "answer":
+            self._why_unfinished(ex, engine, runner, traj)
+        last = traj.turns[-1]
+        if exact_match(self.tokenizer.decode(traj.response_ids[last.start : last.end], skip_special_tokens=True),
+                       [answer]) != 1.0:
             raise DemoError(ex.id, "answer_roundtrip", f"{answer!r} does not survive tokenization")
-        reward, parts = compute_rewards(self._reward_terms, response_text, ex.gold_answers, retrieved_texts=retrieved)
-        meta = EpisodeMeta(
-            data_source=ex.data_source,
-            question_id=ex.id,
-            group_id=f"demo/{ex.id}",
-            gold_answers=list(ex.gold_answers),
-            num_searches=len(queries),
-            num_turns=len(queries) + 1,
-            finish_reason="answer",
-            trajectory_id=trajectory_id or f"demo/{ex.id}",
-            extra={"demo": True, "hops": ex.extra.get("hops"), "queries": list(queries), "behaviour": behaviour},
-        )
-        versions = [DEMO_VERSION if m else OBS_VERSION for m in b.mask]
-        traj = Trajectory(b.prompt, b.resp, b.mask, [0.0] * len(b.resp), versions, b.turns, reward, parts, meta)
-        return traj.validate()
+        traj.meta.extra = {"demo": True, "hops": ex.extra.get("hops"), "queries": list(queries),
+                           "behaviour": behaviour}
+        return traj
 
+    def _why_unfinished(self, ex: QAExample, engine: ExpertEngine, runner: EpisodeRunner, traj: Trajectory) -> None:
+        """The runner stopped after the expert's search turn ``engine.emitted - 1`` without appending its observation
+        (``max_turns`` reached, or no room for a turn after it): raise the reason, the observation's own problems
+        first (what it must show, then its room), as for an observation that was appended."""
+        finish = traj.meta.finish_reason
+        if finish not in ("max_turns", "response_budget") or not 0 < engine.emitted <= len(engine.queries):
+            raise DemoError(ex.id, str(finish), "the episode ended before the expert's answer")
+        obs = runner.observation_ids(self.search(engine.queries[engine.emitted - 1]))
+        engine.check_observation(engine.emitted - 1, obs)
+        if not runner.observation_fits(len(traj.prompt_ids), len(traj.response_ids), len(obs)):
+            raise DemoError(ex.id, "response_budget", f"no room for a turn after a {len(obs)}-token observation")
+        raise DemoError(ex.id, "too_many_turns", f"rollout.max_turns={self.s.max_turns}")
 
 def make_demonstrations(
     cfg: Config,

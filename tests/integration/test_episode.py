@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from actors.engine import TurnOutput, TurnRequest
-from actors.episode import (
+from async_agent_rl.episode import (
     INVALID_ACTION_OBSERVATION,
     EmptyEpisodeError,
     EpisodeRunner,
@@ -148,7 +148,7 @@ def test_dead_retriever_gives_masked_error_observation_not_a_crash(tok, person):
 
 
 def test_overlong_prompt_is_refused_with_a_clear_error(server, tok):
-    from actors.episode import PromptTooLongError
+    from async_agent_rl.episode import PromptTooLongError
 
     ex = QAExample(id="long", question="word " * 400, gold_answers=["x"])
     with pytest.raises(PromptTooLongError, match="question long: prompt has"):

@@ -13,11 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.engine import HFEngine, TurnRequest, VLLMEngine, WeightsError
-from actors.episode import EpisodeRunner
 from actors.search_client import SearchClient
 from async_agent_rl.config import load_config
 from async_agent_rl.data.corpus import read_corpus
 from async_agent_rl.data.search_r1 import read_qa_parquet
+from async_agent_rl.episode import EpisodeRunner
 from async_agent_rl.episode_settings import EpisodeSettings
 from retriever.backends import BM25Backend
 from retriever.server import start_server_in_thread

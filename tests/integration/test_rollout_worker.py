@@ -11,11 +11,11 @@ import time
 import pytest
 
 from actors.engine import TurnOutput, TurnRequest
-from actors.episode import EpisodeRunner
 from actors.rollout_worker import RolloutWorker
 from actors.search_client import SearchClient
 from async_agent_rl.config import SearchClientConfig
 from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.episode import EpisodeRunner
 from async_agent_rl.episode_settings import EpisodeSettings
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,7 @@
-"""Demonstration episodes have exactly a rollout's token structure, real BM25 observations, and correct answers."""
+"""Demonstration episodes have exactly a rollout's token structure, real BM25 observations, and correct answers.
+
+Demonstrations are made by the rollouts' own ``EpisodeRunner``; the replay test below checks that independently:
+another scripted engine and an uncached search rebuild every demonstration token for token."""
 
 from __future__ import annotations
 
@@ -8,15 +11,22 @@ import logging
 
 import pytest
 
-from actors.engine import TurnOutput, TurnRequest
-from actors.episode import EpisodeRunner, parse_action
 from async_agent_rl.config import load_config
 from async_agent_rl.data.corpus import read_corpus
 from async_agent_rl.data.search_r1 import read_qa_parquet
+from async_agent_rl.episode import EpisodeRunner, TurnOutput, TurnRequest, parse_action
 from async_agent_rl.episode_settings import EpisodeSettings
+from async_agent_rl.records import OBS_VERSION
 from async_agent_rl.render import INFORMATION_CLOSE, render_information, truncate_observation
 from async_agent_rl.rewards import exact_match, is_valid_format
-from learner.demos import DemoError, DemoExpert, DemoReport, make_demonstrations, shuffled_world_observations
+from learner.demos import (
+    DEMO_VERSION,
+    DemoError,
+    DemoExpert,
+    DemoReport,
+    make_demonstrations,
+    shuffled_world_observations,
+)
 from retriever.backends import BM25Backend
 from tests.helpers import world_overrides
 
@@ -87,6 +97,9 @@ def test_demos_replay_identically_through_the_rollout_loop(setup):
         assert got.response_ids == d.response_ids
         assert got.loss_mask == d.loss_mask
         assert got.turns == d.turns
+        assert got.meta.num_searches == d.meta.num_searches and got.meta.num_turns == d.meta.num_turns
+        assert d.versions == [DEMO_VERSION if m else OBS_VERSION for m in d.loss_mask]
+        assert d.behavior_logprobs == [0.0] * len(d.response_ids)
         assert got.meta.finish_reason == "answer" and got.reward == d.reward == 1.0
         hops.add(d.meta.extra["hops"])
     assert hops == {1, 2}, "the sample should hold both single-hop and bridge demonstrations"
@@ -189,6 +202,22 @@ def test_budget_violations_are_demo_errors(setup):
     with pytest.raises(DemoError) as e:
         DemoExpert(short, tok, backend).demonstrate(train[0])
     assert e.value.reason == "response_budget"
+    few = cfg.model_copy(deep=True)
+    few.rollout.max_turns = 1
+    with pytest.raises(DemoError) as e:
+        DemoExpert(few, tok, backend).demonstrate(train[0])
+    assert e.value.reason == "too_many_turns"
+
+
+def test_a_demonstration_can_be_made_inside_a_running_event_loop(setup):
+    """The expert's episode never waits (scripted engine, in-process search), so it needs no event loop of its own."""
+    cfg, tok, train, _, backend, _, _ = setup
+
+    async def inside():
+        return DemoExpert(cfg, tok, backend).demonstrate(train[0])
+
+    got, want = asyncio.run(inside()), DemoExpert(cfg, tok, backend).demonstrate(train[0])
+    assert got.response_ids == want.response_ids and got.turns == want.turns and got.reward == want.reward
 
 
 def test_sampling_is_seeded_and_repeats_when_n_exceeds_questions(setup):

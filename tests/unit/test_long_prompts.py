@@ -8,7 +8,7 @@ import asyncio
 import logging
 from types import SimpleNamespace
 
-from actors.episode import EpisodeRunner, PromptTooLongError
+from async_agent_rl.episode import EpisodeRunner, PromptTooLongError
 from actors.rollout_worker import RolloutWorker
 from actors.stack import score_episodes
 from async_agent_rl.data.search_r1 import QAExample
@@ -27,7 +27,7 @@ def test_split_by_prompt_length_counts_the_long_ones_in_one_line(tok, caplog):
     with caplog.at_level(logging.WARNING):
         fitting, too_long = runner.split_by_prompt_length([short[0], long[0], *short[1:], long[1]])
     assert [e.id for e in fitting] == ["s0", "s1", "s2"] and [e.id for e in too_long] == ["l0", "l1"]
-    lines = [r.getMessage() for r in caplog.records if r.name == "actors.episode"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "async_agent_rl.episode"]
     assert len(lines) == 1 and lines[0].startswith("skipping 2 of 5 prompts longer than data.max_prompt_length=128")
     assert score_episodes([], tok, skipped_too_long=2) == {}  # nothing scored: the caller reports it as an error
 

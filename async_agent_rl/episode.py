@@ -1,4 +1,8 @@
-"""One multi-turn search episode, as one async function over an engine and a search client (no Ray inside).
+"""One multi-turn search episode, as one async function over an engine and a search tool (no Ray, vLLM or HTTP inside).
+
+Used by the rollout actors (``actors``: vLLM engine, HTTP ``SearchClient``) and by the SFT warm start's
+demonstrations (``learner.demos``: a scripted expert engine, the search backend in process), so both produce
+episodes by the same code. It lives in the core so that neither of those packages imports the other.
 
 The loop, per turn (Search-R1 semantics, docs/ALGORITHMS.md sections 1-2)::
 
@@ -25,13 +29,12 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from typing import Any, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, Sequence
 
-from actors.engine import Engine, TurnRequest
-from actors.search_client import SearchError
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode_settings import EpisodeSettings
-from async_agent_rl.prompts import prompt_ids, render_question_prompt
+from async_agent_rl.prompts import STOP_STRINGS, prompt_ids, render_question_prompt
 from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.render import INFORMATION_CLOSE, INFORMATION_OPEN, render_information, truncate_observation
 from async_agent_rl.rewards import compute_rewards, scoring_text
@@ -44,6 +47,53 @@ INVALID_ACTION_OBSERVATION = (
     "\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. "
     "If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n"
 )
+
+
+@dataclass
+class TurnRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: Sequence[str] = STOP_STRINGS
+    seed: int | None = None
+
+
+@dataclass
+class TurnOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    text: str
+    finish_reason: str  # "stop" (stop string or EOS), "length", "abort"
+    stop_reason: Any = None
+
+
+class TurnEngine(Protocol):
+    """What an episode needs from an engine: one model turn per ``generate`` (``actors.engine.Engine`` adds weight
+    updates)."""
+
+    version: int
+
+    async def generate(self, req: TurnRequest) -> TurnOutput: ...
+
+
+ErrorKind = Literal["timeout", "connection", "http_status", "bad_reply"]
+
+
+class SearchError(Exception):
+    """A search that failed. ``kind``: timeout | connection | http_status | bad_reply; ``status``: the HTTP status."""
+
+    def __init__(
+        self, kind: ErrorKind, message: str, attempts: int = 1, status: int | None = None, retryable: bool = False
+    ):
+        super().__init__(f"search failed ({kind}): {message}")
+        self.kind = kind
+        self.message = message
+        self.attempts = attempts
+        self.status = status
+        self.retryable = retryable
 
 
 class PromptTooLongError(ValueError):
@@ -75,7 +125,7 @@ class EpisodeRunner:
     """Runs episodes for one engine + search tool + tokenizer. Stateless between episodes; safe to share across
     many concurrent asyncio tasks."""
 
-    def __init__(self, engine: Engine, search: SearchTool, tokenizer: Any, settings: EpisodeSettings):
+    def __init__(self, engine: TurnEngine, search: SearchTool, tokenizer: Any, settings: EpisodeSettings):
         self.engine = engine
         self.search = search
         self.tokenizer = tokenizer
@@ -99,6 +149,21 @@ class EpisodeRunner:
             log.warning("skipping %d of %d prompts longer than data.max_prompt_length=%d tokens (longest %d)",
                         len(too_long), len(examples), self.s.max_prompt_length, longest)
         return fitting, too_long
+
+    def observation_ids(self, hits: Sequence[Any]) -> list[int]:
+        """The observation appended after a search returning ``hits``: rendered, tokenized on its own, cut to
+        ``max_obs_length`` keeping ``</information>``."""
+        return truncate_observation(self._encode(render_information(hits)), self.s.max_obs_length, self._closing_ids)
+
+    def observation_fits(self, prompt_len: int, response_len: int, obs_len: int) -> bool:
+        """Whether an observation of ``obs_len`` tokens may follow: at least ``min_turn_tokens`` of response budget
+        and of context must remain after it for the model turn that has to follow it."""
+        after = response_len + obs_len
+        s = self.s
+        return (
+            s.max_response_length - after >= s.min_turn_tokens
+            and s.max_model_len - prompt_len - after >= s.min_turn_tokens
+        )
 
     def prompt_ids_for(self, ex: QAExample) -> list[int]:
         if self.s.prompt_from == "dataset" and ex.prompt_messages:
@@ -163,10 +228,7 @@ class EpisodeRunner:
             if action == "search":
                 searches += 1
                 try:
-                    hits = await self.search.search(arg)
-                    obs_ids = truncate_observation(
-                        self._encode(render_information(hits)), s.max_obs_length, self._closing_ids
-                    )
+                    obs_ids = self.observation_ids(await self.search.search(arg))
                     obs_kind = "search_results"
                 except SearchError as e:
                     errors += 1
@@ -174,13 +236,10 @@ class EpisodeRunner:
             else:
                 obs_ids = self._invalid_ids
             # An observation must be followed by a model turn: keep room for one.
-            after = len(resp) + len(obs_ids)
-            if (
-                s.max_response_length - after < s.min_turn_tokens
-                or s.max_model_len - len(prompt) - after < s.min_turn_tokens
-            ):
+            if not self.observation_fits(len(prompt), len(resp), len(obs_ids)):
                 finish = "response_budget"
                 break
+            after = len(resp) + len(obs_ids)
             turns.append(TurnSpan("observation", len(resp), after))
             resp += obs_ids
             mask += [0] * len(obs_ids)
