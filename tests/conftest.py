@@ -58,16 +58,16 @@ def qwen_tokenizer():
 
 @pytest.fixture(scope="session")
 def searching_model_dir(world_dir, tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny model after a short, hot SFT warm start (64 demonstrations, 2 epochs, ~20 s): it writes the
-    Search-R1 format and searches in about half of its first turns at temperature 1 (the random-init model never
-    does), for tests that need a policy that uses the retriever."""
+    """The tiny model after a short, hot SFT warm start (64 demonstrations of the perfect expert, 2 epochs, ~20 s):
+    it writes the Search-R1 format and searches in about half of its first turns at temperature 1 (the random-init
+    model never does), for tests that need a policy that uses the retriever."""
     from async_agent_rl.config import load_config
     from learner.sft import run_sft
     from tests.helpers import world_overrides
 
     cfg = load_config(REPO / "configs/quickstart.yaml", [
         *world_overrides(world_dir, tiny_model_dir), "sft.num_demos=64", "sft.epochs=2", "sft.warmup_steps=1",
-        "sft.lr=1e-2", "sft.pretrain_steps=0",
+        "sft.lr=1e-2", "sft.pretrain_steps=0", "sft.expert_search_prob=1", "sft.expert_second_hop_prob=1",
     ])  # fmt: skip
     out = tmp_path_factory.mktemp("searching_model")
     run_sft(cfg, tiny_model_dir, out, log_every=0)
