@@ -1,20 +1,32 @@
-"""The whole system learns: a short asynchronous run (Ray, vLLM CPU actor, BM25 server, buffer, DeepSpeed learner,
-weight publishing) raises the reward it is trained on.
+"""The whole system learns what the default run learns: a short asynchronous RL run (Ray, vLLM CPU actor, BM25
+server, buffer, DeepSpeed learner, weight publishing) makes the agent search, which is what its reward pays for, and
+the held-out greedy agent starts searching too without answering worse.
 
-The policy is the hot SFT warm start of ``searching_model_dir`` (it writes the Search-R1 tags but rarely in a
-well-formed episode: its exact-match, retrieval-hit and strict-format rewards are all near 0, no signal) and the
-reward is ``tag_count`` (open-r1's graded tag check: think and answer pairs, a search answered by information,
-nothing after the answer). Measured over 24 steps in two runs: batch reward 0.26 -> 0.40 and 0.25 -> 0.32 (first
-against last 6 steps; per-step noise about 0.05, a least-squares slope of +0.0034 to +0.006 per step, t = 2.2 to
-6). Over 40 steps the test asks for a rising trend with t > 2.5 and a higher mean in the last 10 steps than in the
-first 10. It fails if any link is broken: rewards
-not reaching the learner, the loss on the wrong tokens or with the wrong sign, weights not reaching the engine,
-versions mislabeled so the importance weights are wrong.
+The warm start is the quickstart's recipe, shortened: shuffled-world pretraining, then one epoch over 20000
+demonstrations of the imperfect expert (half of them answer without searching, half of the searching bridge ones
+stop after one search). Greedy, it never searches on held-out questions. The RL part is the quickstart's with a
+higher learning rate (5e-4, about twice as fast per step and stable this early; the shipped 3e-4 is for its 100
+steps) for 24 steps.
+
+Why not held-out exact match alone: greedy held-out EM moves only once the greedy first-turn choice flips from
+guessing to searching, which the default run does between steps 25 and 75 (benchmarks/RESULTS.md, "Learning");
+after 24 steps it has flipped for a few questions only (measured: EM 0.033 -> 0.051, 26 questions gained and 16
+lost, sign test p = 0.08). The behaviour that leads there is measurable early, so the criteria are statistical on it:
+
+- the sampled policy searches more, step after step: the per-step searches per episode (the learning signal the
+  driver records) have a least-squares slope > 0 with t > 4 (measured t = 9.5, 0.24 -> 0.75 per episode);
+- on held-out questions (greedy, every one, subjects never seen in training) searches per question rise by at least
+  0.05 (measured 0.00 -> 0.12) and exact match does not fall: the questions RL turned wrong are not significantly
+  more than those it turned right (exact one-sided sign test on the paired questions, p > 0.05).
+
+With ``learner.lr`` near 0 (or rewards that never reach the learner, a loss with the wrong sign, weights that never
+reach the engine) the search rate does not rise and the test fails.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -22,30 +34,45 @@ import pytest
 from async_agent_rl.config import load_config
 from tests.helpers import world_overrides
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 40
+STEPS = 24
 
 
-def test_a_short_run_raises_the_trained_reward(tmp_path, world_dir, searching_model_dir):
+def test_rl_makes_the_agent_search_and_the_held_out_agent_follows(tmp_path, world_dir, tiny_model_dir):
     from driver.train import Trainer
 
     cfg = load_config(REPO / "configs/quickstart.yaml", [
-        f"run.output_dir={tmp_path}", "run.name=learn", *world_overrides(world_dir, searching_model_dir),
-        "reward.terms=[{name: tag_count, weight: 1.0}]",
-        f"learner.total_steps={STEPS}", "learner.batch_size=32", "learner.mini_batch_size=32",
-        "learner.micro_batch_size=16", "learner.lr=1e-3", "buffer.max_staleness=1", "buffer.group_filter=none",
-        "sft.enabled=false", "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0",
+        f"run.output_dir={tmp_path}", "run.name=learn", *world_overrides(world_dir, tiny_model_dir),
+        "sft.num_demos=20000", "learner.lr=5e-4", f"learner.total_steps={STEPS}", "eval.num_questions=0",
+        "eval.every_steps=0",
         "monitoring.enabled=false",
     ])  # fmt: skip
     summary = Trainer(cfg, quiet=True).run()
     assert summary["steps"] == STEPS
-    rows = [json.loads(x) for x in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["batch_reward"] for r in rows]
-    slope, t = trend(rewards)
-    assert slope > 0 and t > 2.5, (slope, t, rewards)
-    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10, rewards
+    run_dir = tmp_path / "learn"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    searches = [searches_per_episode(r["learning"]["by_kind"]) for r in rows]
+    slope, t = trend(searches)
+    start, end = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    n = start["all"]["n"]
+    assert n == end["all"]["n"] > 500  # every held-out question, both times
+    before, after = set(start["all"]["correct"]), set(end["all"]["correct"])
+    gained, lost = len(after - before), len(before - after)
+    report = (f"rollout searches/episode {searches[0]:.2f} -> {searches[-1]:.2f} (slope {slope:.4f}, t {t:.1f}); "
+              f"held-out searches/q {start['all']['searches_per_question']:.2f} -> "
+              f"{end['all']['searches_per_question']:.2f}, EM {start['all']['exact_match']:.3f} -> "
+              f"{end['all']['exact_match']:.3f} (gained {gained}, lost {lost})")
+    assert slope > 0 and t > 4, report
+    assert end["all"]["searches_per_question"] >= start["all"]["searches_per_question"] + 0.05, report
+    assert sign_test_p(lost, gained) > 0.05, report  # not significantly worse
+
+
+def searches_per_episode(by_kind: dict) -> float:
+    """Searches per finished episode over all question kinds of one step's learning record."""
+    n = sum(k["episodes"] for k in by_kind.values())
+    return sum(k["searches"] * k["episodes"] for k in by_kind.values()) / n
 
 
 def trend(ys: list[float]) -> tuple[float, float]:
@@ -57,3 +84,22 @@ def trend(ys: list[float]) -> tuple[float, float]:
     resid = [y - ym - slope * (x - xm) for x, y in enumerate(ys)]
     se = (sum(r * r for r in resid) / (n - 2) / sxx) ** 0.5
     return slope, slope / se if se > 0 else float("inf")
+
+
+def sign_test_p(gained: int, lost: int) -> float:
+    """Exact one-sided sign test: P(X >= gained) for X ~ Binomial(gained + lost, 1/2); 1.0 when nothing changed."""
+    m = gained + lost
+    if m == 0:
+        return 1.0
+    return sum(math.comb(m, k) for k in range(gained, m + 1)) / 2**m
+
+
+def test_statistics_arithmetic():
+    assert trend([0.0, 1.0, 2.0, 3.0])[0] == 1.0 and trend([0.0, 1.0, 2.0, 3.0])[1] == float("inf")
+    assert abs(trend([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])[1]) < 1
+    assert sign_test_p(0, 0) == 1.0
+    assert sign_test_p(1, 0) == 0.5
+    assert sign_test_p(3, 0) == 0.125
+    assert sign_test_p(2, 1) == 0.5  # P(X >= 2), X ~ Bin(3, 1/2) = 4/8
+    assert sign_test_p(0, 5) == 1.0
+    assert sign_test_p(40, 4) < 1e-7
