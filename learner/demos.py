@@ -253,6 +253,7 @@ class DemoExpert:
             raise DemoError(ex.id, "response_budget", f"no room for a turn after a {len(obs)}-token observation")
         raise DemoError(ex.id, "too_many_turns", f"rollout.max_turns={self.s.max_turns}")
 
+
 def make_demonstrations(
     cfg: Config,
     tokenizer: Any,
