@@ -225,6 +225,7 @@ class VLLMEngine:
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             trust_remote_code=cfg.model.trust_remote_code,
             disable_log_stats=True,
+            worker_extension_cls="actors.vllm_worker.PolicyReloadExtension",
         )
         llm = AsyncLLM.from_engine_args(args)
         sweep_orphaned_weights()
@@ -282,7 +283,8 @@ class VLLMEngine:
                 tp = time.perf_counter()
                 await self.llm.pause_generation(mode="keep", clear_cache=mode == "pause")
                 try:
-                    await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+                    # vLLM's reload, then the tied head and CPU-packed kernels (actors/vllm_worker.py)
+                    await self.llm.collective_rpc("reload_policy_weights", kwargs={"weights_path": str(weights_dir)})
                     await self.llm.update_weight_version(str(version))
                     self.version = version
                     self._inflight_updates += mode == "inflight"

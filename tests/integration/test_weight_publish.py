@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import ray
 import torch
+from transformers import AutoModelForCausalLM
 
 from actors.engine import TurnRequest, VLLMEngine
 from async_agent_rl.batch import pack_batch
@@ -39,6 +41,10 @@ class EngineHost:
     async def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
         out = await self.engine.generate(TurnRequest(prompt, max_tokens=n, temperature=0.0, stop=()))
         return out.token_ids, out.versions
+
+    async def greedy_logprobs(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        out = await self.engine.generate(TurnRequest(prompt, max_tokens=n, temperature=0.0, stop=()))
+        return out.token_ids, out.logprobs
 
     async def close(self) -> None:
         await self.engine.close()
@@ -80,6 +86,13 @@ def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_di
     after, versions = ray.get(host.greedy.remote(PROMPT, n))
     assert after == TARGET
     assert versions == [1] * n
+    # the engine computes with exactly the published weights: its log-probs are the learner's own (transformers,
+    # same weights). The tiny model ties its output head to the embedding; the learner publishes the embedding once.
+    # Before the fix the CPU engine's tied head kept the first weights it loaded: greedy output moved (the other
+    # layers did), the log-probs were off.
+    ids, logprobs = ray.get(host.greedy_logprobs.remote(PROMPT, n))
+    assert "lm_head.weight" not in state and ids == TARGET
+    assert np.max(np.abs(np.array(logprobs) - reference_logprobs(tiny_model_dir, state, PROMPT, TARGET))) < 2e-3
 
     assert stats.version == 1 and stats.num_actors == 1
     assert stats.bytes == sum(a.nbytes for a in state.values())
@@ -90,6 +103,17 @@ def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_di
     stats = publisher.publish(learner.bump_version(), ray.put(state))
     assert stats.bytes == -1 and ray.get(host.greedy.remote(PROMPT, n))[1] == [2] * n
     ray.get(host.close.remote())
+
+
+def reference_logprobs(model_dir, state: dict, prompt: list[int], response: list[int]) -> np.ndarray:
+    """Per-token log-probs of ``response`` after ``prompt`` under ``state`` loaded into the transformers model."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: the head is the embedding
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+    return lp[len(prompt) - 1 :].numpy()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal of the GPU path")
