@@ -339,7 +339,11 @@ class DenseBackend:
 
     @classmethod
     def from_faiss_file(
-        cls, path: str | Path, passages: Sequence[Passage], model_dir: str | Path, query_prefix: str = "",
+        cls,
+        path: str | Path,
+        passages: Sequence[Passage],
+        model_dir: str | Path,
+        query_prefix: str = "",
         mmap: bool = True,
     ) -> "DenseBackend":
         """Serve an existing FAISS index file whose row i is the embedding of ``passages[i]`` (Search-R1's
@@ -351,7 +355,12 @@ class DenseBackend:
 
     @classmethod
     def _from_file(
-        cls, path: Path, passages: Sequence[Passage], model_dir: str | Path, query_prefix: str, passage_prefix: str,
+        cls,
+        path: Path,
+        passages: Sequence[Passage],
+        model_dir: str | Path,
+        query_prefix: str,
+        passage_prefix: str,
         mmap: bool,
     ) -> "DenseBackend":
         _require_nonempty(passages)

@@ -71,32 +71,28 @@ def _add_dense_args(parser: argparse.ArgumentParser) -> None:
 
 def _config_from_args(args: argparse.Namespace) -> RetrieverConfig:
     try:
-        return _validated_config(args)
+        return RetrieverConfig(
+            host=args.host,
+            port=args.port,
+            backend=args.backend,
+            index_dir=args.index,
+            dense_model=args.dense_model,
+            faiss_index=args.faiss_index,
+            query_prefix=args.query_prefix,
+            passage_prefix=args.passage_prefix,
+            topk=args.topk,
+            batch_window_ms=args.batch_window_ms,
+            max_batch_queries=args.max_batch_queries,
+            limits=RetrieverLimits(
+                max_queries_per_request=args.max_queries_per_request,
+                max_query_chars=args.max_query_chars,
+                max_topk=args.max_topk,
+                max_body_bytes=args.max_body_bytes,
+            ),
+        )
     except ValidationError as e:  # one line naming each bad argument, like every other bad input
-        raise ConfigError("; ".join(f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}"
-                                    for err in e.errors())) from None
-
-
-def _validated_config(args: argparse.Namespace) -> RetrieverConfig:
-    return RetrieverConfig(
-        host=args.host,
-        port=args.port,
-        backend=args.backend,
-        index_dir=args.index,
-        dense_model=args.dense_model,
-        faiss_index=args.faiss_index,
-        query_prefix=args.query_prefix,
-        passage_prefix=args.passage_prefix,
-        topk=args.topk,
-        batch_window_ms=args.batch_window_ms,
-        max_batch_queries=args.max_batch_queries,
-        limits=RetrieverLimits(
-            max_queries_per_request=args.max_queries_per_request,
-            max_query_chars=args.max_query_chars,
-            max_topk=args.max_topk,
-            max_body_bytes=args.max_body_bytes,
-        ),
-    )
+        errors = (f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}" for err in e.errors())
+        raise ConfigError("; ".join(errors)) from None
 
 
 def _read_nonempty(path: str) -> PassageList:

@@ -21,6 +21,7 @@ from transformers import AutoModel, AutoTokenizer
 from async_agent_rl.config import RetrieverConfig
 from async_agent_rl.data.corpus import import_wiki_offline, read_corpus, write_corpus
 from retriever import cli
+from retriever.backends import DenseBackend, IndexMismatchError
 from retriever.server import spawn_server
 from tests.helpers import DENSE_DEPS, offline_minilm_dir
 from tests.integration.test_retriever_server import post, title_query
@@ -130,3 +131,9 @@ def test_bad_paths_are_one_error_line(tmp_path, corpus_file, plain_dir, faiss_fi
         assert r.returncode == 2, (name, r.stderr)
         lines = [line for line in r.stderr.splitlines() if line.startswith("error:") or "Traceback" in line]
         assert len(lines) == 1 and message in lines[0], (name, r.stderr)
+
+
+def test_a_saved_index_refuses_other_prefixes_than_it_was_built_with(corpus_file, plain_dir, faiss_file):
+    built = faiss_file.parent / "built"  # saved by `retriever index --passage-prefix "passage: "`
+    with pytest.raises(IndexMismatchError, match="prefixes"):
+        DenseBackend.load(built, read_corpus(corpus_file), plain_dir)  # no prefixes
