@@ -146,7 +146,7 @@ class RetrieverConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
     backend: Literal["bm25", "dense"] = "bm25"
-    index_dir: Optional[str] = Field(None, description="index folder: loaded if it holds one, else built and saved there")
+    index_dir: Optional[str] = Field(None, description="index folder: loaded if it holds one, else built, saved there")
     dense_model: Optional[str] = Field(
         None, description="encoder folder of the dense backend: a sentence-transformers model, or a plain Hugging "
         "Face model (e5) encoded with attention-masked mean pooling")

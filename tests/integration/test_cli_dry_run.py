@@ -46,7 +46,8 @@ def test_gpu_config_reports_every_missing_piece_and_a_live_retriever(tmp_path):
 def test_unreachable_retriever_is_one_error_line(tmp_path):
     r = dry_run(tmp_path, "search_r1_nq_gpu.yaml", "retriever.url=http://127.0.0.1:9/retrieve")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert sum("retriever.url http://127.0.0.1:9/retrieve: not reachable" in line for line in r.stderr.splitlines()) == 1
+    unreachable = "retriever.url http://127.0.0.1:9/retrieve: not reachable"
+    assert sum(unreachable in line for line in r.stderr.splitlines()) == 1
 
 
 def test_quickstart_config_is_ready_to_run(tmp_path):
