@@ -146,8 +146,16 @@ class RetrieverConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
     backend: Literal["bm25", "dense"] = "bm25"
-    index_dir: Optional[str] = None
-    dense_model: Optional[str] = Field(None, description="sentence-transformers model folder for the dense backend")
+    index_dir: Optional[str] = Field(None, description="index folder: loaded if it holds one, else built, saved there")
+    dense_model: Optional[str] = Field(
+        None, description="encoder folder of the dense backend: a sentence-transformers model, or a plain Hugging "
+        "Face model (e5) encoded with attention-masked mean pooling")
+    faiss_index: Optional[str] = Field(
+        None, description="an existing FAISS inner-product index file over data.corpus_file (row i = corpus line i), "
+        "e.g. Search-R1's e5_Flat.index; dense backend, encoder dense_model, no index_dir")
+    query_prefix: str = Field("", description="dense backend: put before every query when encoding (e5: 'query: ')")
+    passage_prefix: str = Field("", description="dense backend: put before every passage when building an index "
+                                "(e5: 'passage: ')")
     topk: int = Field(3, ge=1)
     batch_window_ms: float = Field(2.0, ge=0, description="coalesce concurrent requests for this long (0 = off)")
     max_batch_queries: int = Field(256, ge=1)
@@ -162,6 +170,16 @@ class RetrieverConfig(_Section):
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"must be an http:// or https:// URL with a host, got {url!r}")
         return url
+
+    @model_validator(mode="after")
+    def _faiss_index_is_dense(self) -> "RetrieverConfig":
+        if self.faiss_index is not None:
+            if self.backend != "dense" or self.dense_model is None:
+                raise ValueError("faiss_index needs backend: dense and dense_model (the encoder the index was built "
+                                 "with)")
+            if self.index_dir is not None:
+                raise ValueError("set faiss_index or index_dir, not both")
+        return self
 
 
 # --------------------------------------------------------------------------------------------------------- rollout

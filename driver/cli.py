@@ -11,7 +11,7 @@ Subcommands (``async-agent-rl COMMAND --help`` for each)::
     rollout          run episodes with the current model and write them as JSON lines
     show             print episodes turn by turn, observations marked, with the loss mask
     sft              supervised warm start on generated demonstration episodes
-    train            the whole asynchronous system on Ray (the main job)
+    train            the whole asynchronous system on Ray (the main job); --dry-run: check a config first
     eval             greedy exact match / F1 / searches / turns of a checkpoint on held-out questions
     bench            short trainings side by side: staleness sweep, ablations, async vs sync
 """
@@ -94,6 +94,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return cmd_train_dry_run(args)
     from driver.train import Trainer
 
     if args.resume:
@@ -104,6 +106,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = Trainer(_config(args))
     summary = trainer.run()
     return 0 if summary.get("steps", 0) >= trainer.cfg.learner.total_steps else 1
+
+
+def cmd_train_dry_run(args: argparse.Namespace) -> int:
+    from driver.check import dry_run
+
+    if args.resume:
+        raise ConfigError("--dry-run checks a --config; it does not take --resume")
+    report = dry_run(_config(args))
+    print(f"dry run of {args.config or 'the default config'}: nothing started, nothing written")
+    for line in report.lines:
+        print(f"  {line}")
+    for problem in report.problems:
+        print(f"error: {problem}", file=sys.stderr)
+    print(f"{len(report.problems)} problem(s)" if report.problems else "ok: nothing missing that can be checked here")
+    return 2 if report.problems else 0
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -243,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="asynchronous RL on Ray: retriever, buffer, rollout actors, learner")
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
+    tr.add_argument("--dry-run", action="store_true", help="report what the run needs (model and data paths, "
+                    "retriever, vLLM, GPUs and memory) and exit without starting anything")
     _add_config_args(tr)
     tr.set_defaults(func=cmd_train)
 

@@ -394,7 +394,10 @@ def shuffled_world_demonstrations(
     for c in range(copies):
         world = shuffle_facts(entities, rng)
         passages = [Passage(id=p["id"], contents=p["contents"]) for p in passages_of(world)]
-        backend = open_backend(cfg.retriever.backend, passages, None, cfg.retriever.dense_model)
+        r = cfg.retriever
+        backend = open_backend(
+            r.backend, passages, None, r.dense_model, query_prefix=r.query_prefix, passage_prefix=r.passage_prefix
+        )
         examples = []
         for name in subjects:
             for q in questions_about(world[name], world, rng, cfg.data.world.two_hop_fraction):

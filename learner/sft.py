@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "sft_metrics.jsonl"
 SUMMARY_FILE = "sft_summary.json"
 INPUTS_FILE = "warm_start_inputs.json"
+# the retriever settings that shape the demonstrations' observations (unset ones are left out, so a warm start
+# written before a key existed still matches)
+RETRIEVER_KEYS = ("backend", "topk", "index_dir", "dense_model", "faiss_index", "query_prefix", "passage_prefix")
 
 
 def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
@@ -61,7 +64,7 @@ def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
         "model_dir": str(model_dir),
         "model": {k: v for k, v in d["model"].items() if k in ("init", "max_model_len")},
         "data": {k: v for k, v in d["data"].items() if k not in ("test_files",)},
-        "retriever": {k: v for k, v in d["retriever"].items() if k in ("backend", "topk", "index_dir", "dense_model")},
+        "retriever": {k: v for k, v in d["retriever"].items() if k in RETRIEVER_KEYS and v not in (None, "")},
         "rollout": {k: d["rollout"][k] for k in rollout},
         "reward": d["reward"],
         "sft": {k: v for k, v in d["sft"].items() if k not in ("enabled", "output_dir")},
@@ -223,7 +226,9 @@ def build_demonstrations(cfg: Config, tokenizer: Any, report: Any = None) -> tup
     examples, _ = read_qa_files(cfg.data.train_files, cfg.data.on_bad_row)
     passages = read_corpus(cfg.data.corpus_file)
     r = cfg.retriever
-    backend = open_backend(r.backend, passages, r.index_dir, r.dense_model)
+    backend = open_backend(
+        r.backend, passages, r.index_dir, r.dense_model, r.faiss_index, r.query_prefix, r.passage_prefix
+    )
     if cfg.sft.shuffled_copies:
         demos = shuffled_world_demonstrations(
             cfg, tokenizer, examples, cfg.sft.num_demos, cfg.sft.shuffled_copies, seed=cfg.sft.seed, report=report

