@@ -1,26 +1,25 @@
 """The whole system learns what the default run learns: a short asynchronous RL run (Ray, vLLM CPU actor, BM25
 server, buffer, DeepSpeed learner, weight publishing) makes the agent search, which is what its reward pays for, and
-the held-out greedy agent starts searching too without answering worse.
+the held-out greedy agent answers more questions right.
 
-The warm start is the quickstart's recipe, shortened: shuffled-world pretraining, then one epoch over 20000
-demonstrations of the imperfect expert (half of them answer without searching, half of the searching bridge ones
-stop after one search). Greedy, it never searches on held-out questions. The RL part is the quickstart's with a
-higher learning rate (5e-4, about twice as fast per step and stable this early; the shipped 3e-4 is for its 100
-steps) for 24 steps.
+The warm start is the quickstart's recipe, shortened: shuffled-world pretraining (300 steps), then one epoch over
+20000 demonstrations of the imperfect expert (half of them answer without searching, half of the searching bridge
+ones stop after one search). Greedy, it never searches on held-out questions (EM about 0.03, lucky guesses). The RL
+part is the quickstart's with a higher learning rate (5e-4) for 24 steps.
 
-Why not held-out exact match alone: greedy held-out EM moves only once the greedy first-turn choice flips from
-guessing to searching, which the default run does between steps 25 and 75 (benchmarks/RESULTS.md, "Learning");
-after 24 steps it has flipped for a few questions only (measured: EM 0.033 -> 0.051, 26 questions gained and 16
-lost, sign test p = 0.08). The behaviour that leads there is measurable early, so the criteria are statistical on it:
+The criteria, statistical:
 
 - the sampled policy searches more, step after step: the per-step searches per episode (the learning signal the
-  driver records) have a least-squares slope > 0 with t > 4 (measured t = 9.5, 0.24 -> 0.75 per episode);
+  driver records) have a least-squares slope > 0 with t > 4 (measured: t = 12.8, 0.30 -> 1.06 per episode);
 - on held-out questions (greedy, every one, subjects never seen in training) searches per question rise by at least
-  0.05 (measured 0.00 -> 0.12) and exact match does not fall: the questions RL turned wrong are not significantly
-  more than those it turned right (exact one-sided sign test on the paired questions, p > 0.05).
+  0.5 (measured 0.00 -> 1.20) and exact match rises by at least 0.10 (measured 0.033 -> 0.268), with far more
+  questions turned right than wrong (exact one-sided sign test on the paired questions, p < 0.001; measured 145
+  gained, 15 lost).
 
-With ``learner.lr`` near 0 (or rewards that never reach the learner, a loss with the wrong sign, weights that never
-reach the engine) the search rate does not rise and the test fails.
+History: before the engine's tied output head followed the published weights (actors/vllm_worker.py), the same run
+moved held-out EM 0.033 -> 0.034 and greedy searches 0.00 -> 0.00 (the engine's logits lagged the learner), and this
+test asked only for behaviour trends; CI once failed it there. With ``learner.lr`` near 0 (or rewards that never
+reach the learner, a loss with the wrong sign, weights that never reach the engine) nothing rises and it fails.
 """
 
 from __future__ import annotations
@@ -38,16 +37,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 24
+MIN_EM_GAIN = 0.10  # held-out greedy exact match, all questions
 
 
-def test_rl_makes_the_agent_search_and_the_held_out_agent_follows(tmp_path, world_dir, tiny_model_dir):
+def test_rl_makes_the_agent_search_and_answer_more_held_out_questions(tmp_path, world_dir, tiny_model_dir):
     from driver.train import Trainer
 
     cfg = load_config(REPO / "configs/quickstart.yaml", [
         f"run.output_dir={tmp_path}", "run.name=learn", *world_overrides(world_dir, tiny_model_dir),
-        "sft.num_demos=20000", "learner.lr=5e-4", f"learner.total_steps={STEPS}", "eval.num_questions=0",
-        "eval.every_steps=0",
-        "monitoring.enabled=false",
+        "sft.num_demos=20000", "sft.pretrain_steps=300", "learner.lr=5e-4", f"learner.total_steps={STEPS}",
+        "eval.num_questions=0", "eval.every_steps=0", "monitoring.enabled=false",
     ])  # fmt: skip
     summary = Trainer(cfg, quiet=True).run()
     assert summary["steps"] == STEPS
@@ -65,8 +64,9 @@ def test_rl_makes_the_agent_search_and_the_held_out_agent_follows(tmp_path, worl
               f"{end['all']['searches_per_question']:.2f}, EM {start['all']['exact_match']:.3f} -> "
               f"{end['all']['exact_match']:.3f} (gained {gained}, lost {lost})")
     assert slope > 0 and t > 4, report
-    assert end["all"]["searches_per_question"] >= start["all"]["searches_per_question"] + 0.05, report
-    assert sign_test_p(lost, gained) > 0.05, report  # not significantly worse
+    assert end["all"]["searches_per_question"] >= start["all"]["searches_per_question"] + 0.5, report
+    assert end["all"]["exact_match"] >= start["all"]["exact_match"] + MIN_EM_GAIN, report
+    assert sign_test_p(gained, lost) < 0.001, report  # significantly more questions right than before
 
 
 def searches_per_episode(by_kind: dict) -> float:
