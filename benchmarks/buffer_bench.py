@@ -159,8 +159,8 @@ def main() -> None:
     print(f"step    sample_batch({args.learner_batch}) -> TrainBatch {tuple(batch.input_ids.shape)}: "
           f"median {statistics.median(times) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms over {args.repeats}")
     stats = ray.get(buffer.stats.remote())
-    print(f"stats   pushed={stats['pushed']} sampled={stats['sampled']} size={stats['size']} "
-          f"evicted={stats['evicted_total']} push_refused={stats['push_refused']}")
+    print(f"stats   pushed={stats.pushed} sampled={stats.sampled} size={stats.size} "
+          f"evicted={stats.evicted_total} push_refused={stats.push_refused}")
     ray.shutdown()
 
 

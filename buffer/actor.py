@@ -10,7 +10,7 @@ Protocol for a rollout actor (every call carries a batch; an actor round trip co
    does not wait for them.
 
 A push of an episode that was already counted lost (``actor_lost``: its actor was declared dead, perhaps while
-its last push was still on the way) is dropped and counted in ``stats()["late_pushes"]``: it was rejected once, and
+its last push was still on the way) is dropped and counted in ``stats().late_pushes``: it was rejected once, and
 taking it now would spend another actor's running slot (and raise ``AdmissionError`` in that actor's push).
 
 The learner calls ``sample(batch_size, version)`` (wire bytes) or ``sample_batch(...)`` (a packed ``TrainBatch``).
@@ -20,9 +20,10 @@ Create the actor with ``create_buffer_actor(cfg)``: its resources come from ``cl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import ray
 
@@ -30,6 +31,7 @@ from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import BufferConfig, Config
 from async_agent_rl.records import Trajectory
 from async_agent_rl.staleness import AdmissionError, AdmissionState
+from async_agent_rl.stats import BufferStats, new_incarnation
 from buffer.replay_buffer import PushResult, ReplayBuffer, SnapshotError, peek_group_id
 
 SNAPSHOT_FILE = "replay_buffer.snapshot"
@@ -51,6 +53,7 @@ class BufferActor:
         self.admission = AdmissionState(**self._admission_args)
         self.buffer = ReplayBuffer(config, group_size, on_evict=self._on_evict)
         self._samples = 0
+        self.incarnation = new_incarnation()
         # episodes admitted but not yet pushed or rejected, per group, and the actor running them: when an actor
         # dies its in-flight episodes are counted lost (``actor_lost``) so admission slots and groups never leak
         self._inflight: dict[str, list] = {}  # group_id -> [actor_id, episodes in flight]
@@ -122,7 +125,7 @@ class BufferActor:
 
     def actor_lost(self, actor_id: str) -> int:
         """A rollout actor died: its in-flight episodes will never arrive. Each is rejected (admission slot
-        freed, its group released short or dropped) and counted in ``stats()["lost_episodes"]``; returns how many."""
+        freed, its group released short or dropped) and counted in ``stats().lost_episodes``; returns how many."""
         lost = [gid for gid, (actor, k) in self._inflight.items() if actor == actor_id for _ in range(k)]
         if lost:
             self.reject(lost)
@@ -149,9 +152,9 @@ class BufferActor:
         return pack_batch([Trajectory.decode(b) for b in blobs], pad_id, pad_to_multiple_of)
 
     # ---------------------------------------------------------------------------------------- monitoring, disk
-    def stats(self) -> dict[str, Any]:
-        return {**self.buffer.stats(), "admission": self.admission.counters(), "lost_episodes": dict(self._lost),
-                "late_pushes": self._late_pushes}
+    def stats(self) -> BufferStats:
+        return dataclasses.replace(self.buffer.stats(), incarnation=self.incarnation, admission=self.admission.stats(),
+                                   lost_episodes=dict(self._lost), late_pushes=self._late_pushes)
 
     def _path(self, path: Optional[str]) -> Path:
         if path is not None:
@@ -164,7 +167,7 @@ class BufferActor:
         """Write the buffer and the admission counters; returns the file written."""
         return str(self.buffer.snapshot(self._path(path), extra={"admission": self.admission.counters()}))
 
-    def restore(self, path: Optional[str] = None) -> dict[str, Any]:
+    def restore(self, path: Optional[str] = None) -> BufferStats:
         """Replace the state with a snapshot's (raises ``SnapshotError`` naming the file); returns ``stats()``.
         Episodes that were running when the snapshot was taken count as rejected."""
         buffer, extra = ReplayBuffer.restore(self._path(path), self.config, self.group_size, on_evict=self._on_evict)

@@ -11,7 +11,7 @@ incomplete ``partial_group_timeout_s`` after its first member arrived follows ``
 Group filtering (``group_filter="zero_variance"``; rLLM's rejection sampling, DAPO's dynamic sampling). A group whose
 members' rewards are all equal (within ``zero_variance_tol``) has zero GRPO advantage everywhere: it costs a learner
 step's compute and teaches nothing. Such a group is evicted the moment it completes (reason
-``filtered_zero_variance``; ``stats()["filtered_groups"]`` splits the dropped groups into ``all_correct`` /
+``filtered_zero_variance``; ``stats().filtered_groups`` splits the dropped groups into ``all_correct`` /
 ``all_wrong`` by the members' exact-match score, ``all_equal`` for the rest), so it never takes a batch slot: the
 batch is filled from the groups that follow, and the freed admission slots let the actors generate replacements.
 A policy that earns the same reward everywhere (a random model: always 0) would then never fill a batch; after
@@ -53,6 +53,7 @@ from async_agent_rl.config import BufferConfig
 from async_agent_rl.errors import InputError
 from async_agent_rl.records import OBS_VERSION, SCHEMA_VERSION, RecordError, Trajectory
 from async_agent_rl.staleness import group_min_version, is_stale, staleness
+from async_agent_rl.stats import BufferStats
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ EVICT_STALE = "stale"
 EVICT_PARTIAL_TIMEOUT = "partial_group_timeout"
 EVICT_ZERO_VARIANCE = "filtered_zero_variance"
 EVICTION_REASONS = (EVICT_STALE, EVICT_PARTIAL_TIMEOUT, EVICT_ZERO_VARIANCE)
+COUNTERS = ("pushed", "sampled", "push_refused", "rejected", "groups_released_short", "groups_released_partial",
+            "groups_overdue", "groups_completed", "groups_zero_variance", "zero_variance_kept")
 
 
 class CapacityError(ValueError):
@@ -405,37 +408,28 @@ class ReplayBuffer:
         self._bytes -= sum(len(it.blob) for it in group.items)
 
     # ----------------------------------------------------------------------------------------------------- stats
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> BufferStats:
         """Monitoring view. ``staleness_histogram`` counts consumed trajectories by staleness."""
         self._expire_partial()
         now = self._clock()
         groups = list(self._pending.values()) + list(self._ready.values())
         oldest = min((it.pushed_at for g in groups for it in g.items[:1]), default=None)
-        return {
-            "size": self._size,
-            "tokens": self._tokens,
-            "bytes": self._bytes,
-            "ready_groups": len(self._ready),
-            "pending_groups": sum(1 for g in self._pending.values() if g.items),
-            "oldest_age_s": 0.0 if oldest is None else now - oldest,
-            "learner_version": self.learner_version,
-            "pushed": self.counters["pushed"],
-            "sampled": self.counters["sampled"],
-            "push_refused": self.counters["push_refused"],
-            "rejected": self.counters["rejected"],
-            "groups_released_short": self.counters["groups_released_short"],
-            "groups_released_partial": self.counters["groups_released_partial"],
-            "groups_overdue": self.counters["groups_overdue"],
-            "groups_completed": self.counters["groups_completed"],
-            "groups_zero_variance": self.counters["groups_zero_variance"],
-            "evicted": dict(self.evicted),
-            "evicted_total": sum(self.evicted.values()),
-            "filtered_groups": dict(self.filtered_groups),
-            "zero_variance_kept": self.counters["zero_variance_kept"],
-            "staleness_histogram": dict(sorted(self.staleness_histogram.items())),
-            "capacity_trajectories": self.config.capacity_trajectories,
-            "capacity_tokens": self.config.capacity_tokens,
-        }
+        c = self.counters
+        return BufferStats(
+            size=self._size,
+            tokens=self._tokens,
+            bytes=self._bytes,
+            ready_groups=len(self._ready),
+            pending_groups=sum(1 for g in self._pending.values() if g.items),
+            oldest_age_s=0.0 if oldest is None else now - oldest,
+            learner_version=self.learner_version,
+            capacity_trajectories=self.config.capacity_trajectories,
+            capacity_tokens=self.config.capacity_tokens,
+            **{name: c[name] for name in COUNTERS},
+            evicted=dict(self.evicted),
+            filtered_groups=dict(self.filtered_groups),
+            staleness_histogram=dict(sorted(self.staleness_histogram.items())),
+        )
 
     # ------------------------------------------------------------------------------------------------- snapshot
     def snapshot(self, path: str | Path, extra: Optional[dict[str, Any]] = None) -> Path:

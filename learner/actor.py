@@ -20,6 +20,7 @@ import ray
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config
 from async_agent_rl.net import free_port
+from async_agent_rl.stats import LearnerStats
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.learner import Learner
 
@@ -33,7 +34,7 @@ class LearnerActor:
     def rank(self) -> int:
         return self.learner.rank
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> LearnerStats:
         return self.learner.train_step(batch)
 
     def bump_version(self) -> int:
@@ -83,7 +84,7 @@ class LearnerGroup:
     def _all(self, method: str, *args: Any) -> list[Any]:
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> LearnerStats:
         ref = ray.put(batch)  # one copy in the object store for all ranks
         return self._all("train_step", ref)[0]
 

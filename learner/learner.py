@@ -43,7 +43,7 @@ Finite training: a step whose policy loss or gradient norm (critic's too) is not
 parameter. The run stops there; nothing non-finite is published or saved, so the last checkpoint on disk is the
 last good policy.
 
-Metrics of ``train_step`` (floats, this rank's rows; losses are the mini-batch aggregates averaged over updates):
+Metrics of ``train_step`` (``LearnerStats``, this rank's rows; losses are the mini-batch aggregates averaged over updates):
 
 =====================  =================================================================================
 key                    meaning
@@ -98,6 +98,7 @@ from async_agent_rl.algorithms import (
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config, LearnerConfig
 from async_agent_rl.net import free_port
+from async_agent_rl.stats import LearnerStats
 
 MAX_METRICS = ("iw_max",)  # reduced by max over micro-batches; every other metric by a unit-weighted mean
 
@@ -395,7 +396,7 @@ class Learner:
         return full
 
     # ------------------------------------------------------------------------------------------------ step
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> LearnerStats:
         """One learner step on ``batch`` (every rank gets the same batch). Returns the metrics of the module
         docstring; ``step`` advances by one, ``version`` does not (see ``bump_version``)."""
         t0 = time.perf_counter()
@@ -414,7 +415,7 @@ class Learner:
         out = self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0)
         checked = ("policy_loss", "grad_norm", "value_loss", "critic_grad_norm")
         require_finite(self.step, "loss or gradient norm", ((k, out[k]) for k in checked if k in out))
-        return out
+        return LearnerStats.from_dict(out)
 
     def _targets(self, w: _Window) -> _Targets:
         """The no-grad passes over this rank's rows (proximal, reference, critic), then advantages over all rows."""

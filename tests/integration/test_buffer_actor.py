@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 
@@ -62,10 +63,10 @@ class Producer:
     async def run(self, buffer, name: str, groups: int) -> list[str]:
         pushed: list[str] = []
         for g in range(groups):
-            version = (await buffer.stats.remote())["learner_version"]
+            version = (await buffer.stats.remote()).learner_version
             while await buffer.try_start.remote(GROUP, version) == 0:
                 await asyncio.sleep(0.005)
-                version = (await buffer.stats.remote())["learner_version"]
+                version = (await buffer.stats.remote()).learner_version
             gid = f"{name}-{g}"
             members = list(range(GROUP))
             if g % 5 == 4:  # the producer throws one episode away
@@ -110,13 +111,13 @@ def test_concurrent_producers_and_a_learner_lose_nothing():
     pushed = [tid for ids in ray.get(runs) for tid in ids] + [f"late/{m}" for m in range(GROUP)]
     stats = ray.get(buffer.stats.remote())
     assert len(sampled) == len(set(sampled)) and set(sampled) <= set(pushed)
-    assert len(pushed) == stats["pushed"] == len(sampled) + stats["evicted_total"] + stats["size"]
-    assert stats["size"] == 0
-    assert stats["evicted"][EVICT_STALE] >= GROUP and not any(t.startswith("late/") for t in sampled)
-    assert max(stats["staleness_histogram"]) <= ETA
-    assert stats["admission"]["running"] == 0
-    assert stats["admission"]["accepted"] - stats["admission"]["evicted"] == len(sampled)
-    assert stats["rejected"] == stats["admission"]["rejected"] == 6  # groups 4 and 9 of three producers
+    assert len(pushed) == stats.pushed == len(sampled) + stats.evicted_total + stats.size
+    assert stats.size == 0
+    assert stats.evicted[EVICT_STALE] >= GROUP and not any(t.startswith("late/") for t in sampled)
+    assert max(stats.staleness_histogram) <= ETA
+    assert stats.admission.running == 0
+    assert stats.admission.accepted - stats.admission.evicted == len(sampled)
+    assert stats.rejected == stats.admission.rejected == 6  # groups 4 and 9 of three producers
     for p in producers:
         ray.kill(p)
     ray.kill(buffer)
@@ -132,7 +133,7 @@ def test_backpressure_through_the_actor_and_a_packed_batch():
     assert isinstance(batch, TrainBatch) and batch.input_ids.shape == (8, 10)
     assert batch.group_index.tolist() == [0] * 4 + [1] * 4
     assert push_all(buffer, blobs[first.accepted :], poll_s=0.005, timeout_s=10) == 0
-    assert ray.get(buffer.stats.remote())["size"] == 4
+    assert ray.get(buffer.stats.remote()).size == 4
     ray.kill(buffer)
 
 
@@ -151,7 +152,7 @@ def test_snapshot_round_trip_and_corrupt_snapshot_refused(tmp_path):
         k: v for k, v in before.items() if k not in ("admission", "oldest_age_s")
     }
     # the 3 episodes of group "b" still running at snapshot time did not survive the restart
-    assert after["admission"] == {**before["admission"], "rejected": 3, "running": 0}
+    assert after.admission == dataclasses.replace(before.admission, rejected=3, running=0)
     assert [Trajectory.decode(b).meta.trajectory_id for b in ray.get(resumed.sample.remote(GROUP, 0))] == [
         f"a/{m}" for m in range(GROUP)
     ]

@@ -20,10 +20,10 @@ def test_actor_lost_frees_slots_and_releases_partial_groups():
     assert b.actor_lost("actor0") == 3
     assert b.admission.running == 0
     stats = b.stats()
-    assert stats["lost_episodes"] == {"actor0": 3}
+    assert stats.lost_episodes == {"actor0": 3}
     # g1 is released short with the member that arrived, g2 had none and vanishes: nothing waits forever
-    assert stats["groups_released_short"] == 1 and stats["ready_groups"] == 1 and stats["pending_groups"] == 0
-    assert stats["pushed"] == 1 and stats["rejected"] == 3
+    assert stats.groups_released_short == 1 and stats.ready_groups == 1 and stats.pending_groups == 0
+    assert stats.pushed == 1 and stats.rejected == 3
     assert b.actor_lost("actor0") == 0  # nothing left in flight
 
 
@@ -49,8 +49,8 @@ def test_filtered_groups_free_their_admission_slots_and_batches_stay_full():
     b.push_many([traj("more", 0, reward=0.0), traj("more", 1, reward=0.5)])
     assert len(b.sample(4, 0)) == 4
     s = b.stats()
-    assert s["evicted"]["filtered_zero_variance"] == 2 and s["admission"]["evicted"] == 2
-    assert s["admission"]["running"] == 0
+    assert s.evicted["filtered_zero_variance"] == 2 and s.admission.evicted == 2
+    assert s.admission.running == 0
 
 
 def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
@@ -69,7 +69,7 @@ def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
     assert batch is not None and sorted(ids(batch)) == sorted([f"a/{i}" for i in range(4)] + [f"c/{i}" for i in range(4)])
     assert b.sample(8, 1) is None  # version 1: the short group of version 0 is stale
     s = b.stats()
-    assert s["evicted"]["stale"] == 3 and s["staleness_histogram"] == {0: 8}
+    assert s.evicted["stale"] == 3 and s.staleness_histogram == {0: 8}
     assert b.try_start(8, 1, "e", "actor0") == 8  # and the next version admits its two groups
 
 
@@ -83,5 +83,5 @@ def test_a_late_push_of_a_lost_episode_is_dropped_and_never_hurts_another_actor(
     assert late.accepted == 3 and not late.full
     b.push_many([traj("a1-g", 1)])  # before: AdmissionError, 3 pushed but 2 running
     s = b.stats()
-    assert s["late_pushes"] == 2 and s["pushed"] == 2 and s["admission"]["running"] == 0
+    assert s.late_pushes == 2 and s.pushed == 2 and s.admission.running == 0
     assert ids(b.sample(2, 0)) == ["a1-g/0", "a1-g/1"]
