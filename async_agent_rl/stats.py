@@ -157,7 +157,8 @@ class BufferStats:
 class LearnerStats:
     """One ``Learner.train_step`` (``learner.learner`` module docstring). Quantities a configuration does not
     compute (``kl`` without a KL term, the critic's without ``gae``, importance weights under plain PPO) are None;
-    ``extra`` holds the loss-specific ones nothing reads by name (``vf_clip_frac``, ...)."""
+    ``extra`` holds the loss-specific ones nothing reads by name (``vf_clip_frac``, ...); ``batch`` describes the
+    step's batch (``TrainBatch.summary()``)."""
 
     step: int = 0
     version: int = 0
@@ -183,6 +184,7 @@ class LearnerStats:
     grad_norm: Optional[float] = None
     critic_grad_norm: Optional[float] = None
     extra: dict[str, float] = field(default_factory=dict)
+    batch: dict[str, float] = field(default_factory=dict)  # TrainBatch.summary() of the step's batch
 
     @property
     def trained_tokens(self) -> float:
@@ -192,7 +194,7 @@ class LearnerStats:
     @classmethod
     def from_dict(cls, d: Mapping[str, float]) -> "LearnerStats":
         """From a flat metrics dict (``as_dict``): known keys to fields, the rest to ``extra``."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "batch"}
         known = {k: v for k, v in d.items() if k in names}
         for k in ("step", "version"):
             if k in known:
@@ -201,7 +203,7 @@ class LearnerStats:
 
     def as_dict(self) -> dict[str, float]:
         """Flat, without the quantities not computed (the ``learner`` entry of metrics.jsonl)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "batch")}
         d = {k: float(v) for k, v in d.items() if v is not None}
         return {**d, **self.extra}
 

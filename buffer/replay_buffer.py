@@ -1,6 +1,7 @@
 """Version-tagged replay buffer of GRPO groups (a plain class; ``buffer.actor`` is its Ray shell).
 
-Trajectories are kept as their msgpack wire bytes (``Trajectory.encode``) and grouped by ``meta.group_id``.
+Trajectories are kept as their wire bytes (``Trajectory.encode``; ``records.peek`` reads what the index needs) and
+grouped by ``meta.group_id``.
 
 Groups. A group is *ready* when all ``group_size`` members arrived, or fewer when members were reported rejected
 (``reject``); such a short group is released with what came, counted in ``groups_released_short``. A group still
@@ -47,11 +48,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import msgpack
-import numpy as np
 
 from async_agent_rl.config import BufferConfig
 from async_agent_rl.errors import InputError
-from async_agent_rl.records import OBS_VERSION, SCHEMA_VERSION, RecordError, Trajectory
+from async_agent_rl.records import OBS_VERSION, RecordError, Trajectory, peek
 from async_agent_rl.staleness import group_min_version, is_stale, staleness
 from async_agent_rl.stats import BufferStats
 
@@ -115,42 +115,15 @@ class _Group:
 
 
 def _peek(blob: bytes) -> tuple[str, _Item]:
-    """Group id and index entry of one wire record, without decoding the token arrays into lists (about 7 us for
-    2k tokens, against ~190 us for ``Trajectory.decode``). Checks the schema and that per-token arrays agree."""
-    try:
-        d = msgpack.unpackb(blob, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise RecordError(f"not a msgpack trajectory record: {e}") from None
-    if not isinstance(d, dict) or d.get("schema") != SCHEMA_VERSION:
-        got = d.get("schema") if isinstance(d, dict) else type(d).__name__
-        raise RecordError(f"not a trajectory record of schema version {SCHEMA_VERSION} (got {got!r})")
-    try:
-        n = len(d["response_ids"]) // 4
-        mask = np.frombuffer(d["loss_mask"], dtype="u1")
-        versions = np.frombuffer(d["versions"], dtype="<i4")
-        if len(mask) != n or len(versions) != n or len(d["behavior_logprobs"]) != 4 * n:
-            raise RecordError("per-token arrays differ in length from response_ids")
-        generated = versions[mask.astype(bool)]
-        meta = d["meta"]
-        item = _Item(
-            blob=blob,
-            min_version=int(generated.min()) if generated.size else OBS_VERSION,
-            tokens=len(d["prompt_ids"]) // 4 + n,
-            priority=float((meta.get("extra") or {}).get("priority", 0.0)),
-            pushed_at=0.0,
-            reward=float(d.get("reward", 0.0)),
-            correct=(d.get("reward_components") or {}).get("exact_match"),
-        )
-        return str(meta["group_id"]), item
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, RecordError):
-            raise
-        raise RecordError(f"malformed trajectory record: {e!r}") from None
+    """Group id and index entry of one wire record (``records.peek``)."""
+    r = peek(blob)
+    return r.group_id, _Item(blob=blob, min_version=r.min_version, tokens=r.tokens, priority=r.priority,
+                             pushed_at=0.0, reward=r.reward, correct=r.correct)
 
 
 def peek_group_id(blob: bytes) -> str:
     """``meta.group_id`` of a wire record (validated like a push)."""
-    return _peek(blob)[0]
+    return peek(blob).group_id
 
 
 class ReplayBuffer:
@@ -392,6 +365,14 @@ class ReplayBuffer:
                     "replay buffer: group %r has %d/%d members after %.0f s; waiting (partial_groups=wait)",
                     group.gid, len(group.items), self.group_size, now - group.first_at,
                 )
+
+    def partial_timeout_in(self) -> Optional[float]:
+        """Seconds until the next pending group reaches ``partial_group_timeout_s`` (when it may be released or
+        dropped), or None while no group waits for it. A sampler waiting for a batch wakes up then."""
+        firsts = [g.first_at for g in self._pending.values() if g.items and not g.overdue]
+        if not firsts:
+            return None
+        return max(0.0, min(firsts) + self.config.partial_group_timeout_s - self._clock())
 
     def _evict(self, group: _Group, reason: str, why: str, quiet: bool = False) -> None:
         n = len(group.items)

@@ -6,9 +6,10 @@ The driver's loop, top to bottom::
     start components      Ray, retriever server, replay buffer, learner rank(s), N rollout actors
     evaluate (start)      greedy exact match on held-out questions with the starting weights
     start rollouts        every actor runs episodes continuously (no batch barrier), admission-controlled
-    for each step:        sample a batch (waits while the buffer has too few fresh groups)
-                          learner step (proximal log-probs, advantages, importance-corrected PPO)
-                          every k steps: bump the version, publish weights to every actor
+    for each step:        the learner trains on the buffer's next batch (buffer -> learner by object reference;
+                          the buffer waits while it has too few fresh groups), proximal log-probs, advantages,
+                          importance-corrected PPO
+                          every k steps: the learner bumps its version; publish weights to every actor
                           log metrics, checkpoint
     stop rollouts, evaluate (end), save the final policy, plots
 
@@ -352,7 +353,8 @@ class Trainer:
         self.url = stack.enter_context(retriever_url(cfg, log_file=self.run_dir / "retriever.log"))
         self.log.say(f"[start] retriever {self.url}")
         self.mon = self._start_monitoring(stack)
-        self.buffer = create_buffer_actor(cfg)
+        self.pad_id = self._pad_id()
+        self.buffer = create_buffer_actor(cfg, pad_id=self.pad_id)
         learner_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": self.policy_path})})
         self.learner = create_learner_group(learner_cfg)
         actor_model, actor_version = self.policy_path, 0
@@ -364,7 +366,6 @@ class Trainer:
         )
         infos = ray.get([a.setup.remote() for a in self.actors])
         self.publisher = create_publisher(cfg.weight_sync.method, self.actors)
-        self.pad_id = self._pad_id()
         self.log.say(f"[start] buffer, {cfg.learner.num_ranks} learner rank(s), rollout actors {infos}")
 
     def _start_monitoring(self, stack: ExitStack):
@@ -393,27 +394,24 @@ class Trainer:
 
     def train_step(self, t0: float) -> None:
         cfg = self.cfg
-        wait0 = last_check = time.monotonic()
+        wait0 = time.monotonic()
         next_report = wait0 + 60.0
-        batch = None
-        while batch is None:
-            batch = ray.get(self.buffer.sample_batch.remote(cfg.learner.batch_size, self.version, self.pad_id))
-            if batch is None:
+        metrics = None
+        while metrics is None:
+            # the batch goes from the buffer to the learner by reference; None: no batch within the timeout
+            batch = self.buffer.sample_batch.remote(self.version, SUPERVISE_WHILE_WAITING_S)
+            metrics = self.learner.train_step(batch)
+            if metrics is None:
                 # an actor that died while the buffer is short would otherwise never be restarted: no batch comes
-                if time.monotonic() - last_check > SUPERVISE_WHILE_WAITING_S:
-                    self.supervise()
-                    last_check = time.monotonic()
+                self.supervise()
                 if time.monotonic() > next_report:  # once a minute: why is there no batch?
                     next_report += 60.0
                     b = ray.get(self.buffer.stats.remote())
                     self.log.say(f"[wait] no batch for {time.monotonic() - wait0:.0f} s: buffer size {b.size}, ready "
                                  f"groups {b.ready_groups}, pending {b.pending_groups}, evicted {b.evicted}, "
                                  f"admission {dataclasses.asdict(b.admission)}")
-                time.sleep(0.05)
-        wait_s = time.monotonic() - wait0
-        batch_summary = batch.summary()
-        metrics = self.learner.train_step(batch)
-        self.step += 1
+        wait_s = max(0.0, time.monotonic() - wait0 - metrics.step_time_s)  # until the batch was at the learner
+        self.step = metrics.step
         publish = None
         if self.step % cfg.weight_sync.every_steps == 0:
             self.version = self.learner.bump_version()
@@ -427,7 +425,7 @@ class Trainer:
         if self.mon is not None:
             self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish)
         record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
-        record["batch"] = batch_summary
+        record["batch"] = metrics.batch
         learning = self.learning.update(rollout, buffer, metrics)
         record["learning"] = dataclasses.asdict(learning)
         if self.mon is not None:
@@ -603,9 +601,8 @@ class Trainer:
         ckpt = self.resume_from
         state = json.loads((ckpt / DRIVER_STATE).read_text())
         check_model_matches(ckpt, self.policy_path)
-        self.learner.load_checkpoint(ckpt)
+        self.step, self.version = self.learner.load_checkpoint(ckpt)  # the learner owns both
         ray.get(self.buffer.restore.remote(str(ckpt / SNAPSHOT_FILE)))
-        self.step, self.version = state["step"], state["version"]
         self.restarts, self.lost_episodes = state["restarts"], state["lost_episodes"]
         metrics = self.run_dir / "metrics.jsonl"
         kept = []

@@ -68,7 +68,7 @@ def test_a_slow_actor_is_killed_before_it_is_set_up_again(tmp_path):
                              "learner.mini_batch_size=4", "learner.micro_batch_size=4", "buffer.max_staleness=0"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
     trainer.mon = None
-    trainer.buffer = create_buffer_actor(cfg)
+    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
     actor_cls = ray.remote(num_cpus=0, max_restarts=1)(SlowFirstIncarnation)
     trainer.actors = [actor_cls.remote(0, str(tmp_path / "incarnated"))]
     slow = trainer.actors[0]

@@ -6,7 +6,8 @@ from tests.unit.test_replay_buffer import ids, traj
 
 
 def make() -> BufferActor:
-    return BufferActor(BufferConfig(max_staleness=0), group_size=2, consumed_per_version=4, max_concurrent=64)
+    return BufferActor(BufferConfig(max_staleness=0), group_size=2, consumed_per_version=4, max_concurrent=64,
+                       batch_size=4)
 
 
 def test_actor_lost_frees_slots_and_releases_partial_groups():
@@ -39,7 +40,7 @@ def test_filtered_groups_free_their_admission_slots_and_batches_stay_full():
     """A push that completes a zero-variance group evicts it at once; its members were accepted by that same push,
     so the admission accounting must take them as accepted first and then free their slots for refills."""
     b = BufferActor(BufferConfig(max_staleness=0, group_filter="zero_variance"), group_size=2,
-                    consumed_per_version=4, max_concurrent=64)
+                    consumed_per_version=4, max_concurrent=64, batch_size=4)
     assert b.try_start(2, 0, "dull", "a0") == 2 and b.try_start(2, 0, "good", "a0") == 2
     assert b.try_start(2, 0, "more", "a0") == 0  # capacity (0 + 0 + 1) * 4 reached
     b.push_many([traj("dull", 0, reward=1.0), traj("dull", 1, reward=1.0)])  # filtered on arrival
@@ -57,7 +58,8 @@ def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
     """eta = 0, groups of 4, batches of 8: one rejected episode leaves the version's groups one row short. The slot
     it frees is granted as a whole replacement group at the same version, so the learner gets a full batch of
     version-0 rows; the short group goes stale at version 1 and is evicted, never consumed."""
-    b = BufferActor(BufferConfig(max_staleness=0), group_size=4, consumed_per_version=8, max_concurrent=64)
+    b = BufferActor(BufferConfig(max_staleness=0), group_size=4, consumed_per_version=8, max_concurrent=64,
+                    batch_size=8)
     assert b.try_start(4, 0, "a", "actor0") == 4 and b.try_start(4, 0, "b", "actor0") == 4
     b.push_many([traj("a", i) for i in range(4)] + [traj("b", i) for i in range(3)])
     b.reject(["b"])

@@ -121,7 +121,7 @@ def real_run(tok) -> tuple[RolloutStats, BufferStats]:
     examples = [QAExample(id=f"q{i}", question=f"question {i} ?", gold_answers=["x"], data_source="world_single")
                 for i in range(8)]
     buffer = BufferActor(BufferConfig(max_staleness=2, capacity_trajectories=64), group_size=2,
-                         consumed_per_version=4, max_concurrent=8)
+                         consumed_per_version=4, max_concurrent=8, batch_size=4)
 
     async def go() -> RolloutStats:
         async with SearchClient("http://127.0.0.1:9", SearchClientConfig(timeout_s=1, retries=0, deadline_s=1)) as sc:
