@@ -390,7 +390,12 @@ class Trainer:
     def start_rollouts(self) -> None:
         ray.get([a.start.remote() for a in self.actors])
         if self.mon is not None:
+            self.mon.driver.update(self._driver_stats())  # every actor's restart count from 0 on
             self.mon.poll(self._observe_components, every_s=self.cfg.monitoring.log_every_s)
+
+    def _driver_stats(self) -> DriverStats:
+        restarts = {f"actor{i}": self.restarts.get(f"actor{i}", 0) for i in range(len(self.actors))}
+        return DriverStats(self.lost_episodes, restarts)
 
     def train_step(self, t0: float) -> None:
         cfg = self.cfg
@@ -495,7 +500,7 @@ class Trainer:
         ray.get(actor.start.remote())
         self.log.say(f"[fault] rollout actor {i} restarted at version {self.version}; {lost} in-flight episodes lost")
         if self.mon is not None:
-            self.mon.driver.update(DriverStats(self.lost_episodes, dict(self.restarts)))
+            self.mon.driver.update(self._driver_stats())
 
     def _record(self, metrics: LearnerStats, publish: PublishStats | None, rollout: list[RolloutStats],
                 buffer: BufferStats, wait_s: float, elapsed: float) -> dict:
