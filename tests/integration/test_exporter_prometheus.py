@@ -25,7 +25,7 @@ from actors.search_client import SearchClient
 from async_agent_rl.config import BufferConfig, MonitoringConfig, RetrieverConfig, SearchClientConfig
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.staleness import AdmissionState
-from async_agent_rl.stats import LearnerStats, PublishStats, WeightUpdate
+from async_agent_rl.stats import LearnerStats, PublishStats, RolloutStats, WeightUpdate
 from buffer.replay_buffer import ReplayBuffer
 from driver.train import LearningSignals
 from monitoring import metrics as M
@@ -86,7 +86,7 @@ def test_run_monitoring_from_config_polls_and_serves(tmp_path):
             calls.append(len(calls))
             if len(calls) == 2:
                 raise RuntimeError("an actor is restarting")  # logged; polling goes on
-            mon.observe(rollout=[{"index": 0, "finished": 2 * len(calls), "elapsed_s": float(len(calls))}])
+            mon.observe(rollout=[RolloutStats(index=0, incarnation="a", finished=2 * len(calls))])
 
         mon.poll(fetch_stats, every_s=0.05)
         deadline = time.monotonic() + 10
