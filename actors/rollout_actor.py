@@ -8,6 +8,7 @@ from ``cluster.rollout_actor_cpus`` / ``rollout_actor_gpus`` where the actor is 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, Mapping
@@ -23,6 +24,7 @@ from async_agent_rl.episode import EpisodeRunner
 from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.errors import InputError
 from async_agent_rl.records import Trajectory
+from async_agent_rl.stats import RolloutStats, SearchStats, WeightUpdate
 from buffer.actor import push_all_async
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class RolloutActor:
         self.actor_id = f"actor{index}"
         self.worker: RolloutWorker | None = None
         self._task: asyncio.Task | None = None
-        self._updates: list[dict] = []
+        self._updates: list[WeightUpdate] = []
         self._pending: tuple[int, Mapping[str, Any]] | None = None  # weights that arrived before setup()
 
     async def setup(self) -> dict:
@@ -97,7 +99,7 @@ class RolloutActor:
         assert self.worker is not None, "call setup() first"
         self._task = asyncio.create_task(self.worker.run(num_groups))
 
-    async def stop(self, timeout_s: float = 120.0) -> dict:
+    async def stop(self, timeout_s: float = 120.0) -> RolloutStats:
         """Stop starting groups, let in-flight episodes finish and be pushed; returns the worker's stats."""
         if self.worker is not None:
             self.worker.stop()
@@ -116,10 +118,9 @@ class RolloutActor:
             self._pending = (version, weights)
             return {"version": version, "seconds": 0.0, "deferred": True}
         stats = await self.engine.update_weights(version, weights, self.cfg.rollout.weight_update_mode)
-        rec = {"version": version, "seconds": time.perf_counter() - t0, "pause_seconds": stats.pause_seconds,
-               "bytes": stats.bytes, "mode": stats.mode}  # fmt: skip
+        rec = WeightUpdate(version, time.perf_counter() - t0, stats.pause_seconds, stats.bytes, stats.mode)
         self._updates.append(rec)
-        return rec
+        return dataclasses.asdict(rec)
 
     async def evaluate(self, files: list[str], limit: int = 0) -> dict:
         """Greedy episodes on held-out questions with this actor's engine (current weights); scores by source."""
@@ -135,15 +136,16 @@ class RolloutActor:
         trajs = await run_greedy(self.worker.runner, fitting, self.cfg.rollout.max_concurrent_episodes)
         return score_episodes(trajs, self.worker.runner.tokenizer, skipped_too_long=len(too_long))
 
-    def stats(self) -> dict:
-        s = self.worker.stats.as_dict() if self.worker else {}
-        s["index"] = self.index
-        s["version"] = getattr(getattr(self, "engine", None), "version", self.initial_version)
-        s["search"] = self.search.counters() if hasattr(self, "search") else {}
-        s["weight_updates"] = list(self._updates[-5:])
-        s["done"] = self._task.done() if self._task else False
-        s["ready"] = self.worker is not None
-        return s
+    def stats(self) -> RolloutStats:
+        actor = dict(
+            index=self.index,
+            version=getattr(getattr(self, "engine", None), "version", self.initial_version),
+            search=self.search.stats() if hasattr(self, "search") else SearchStats(),
+            weight_updates=list(self._updates[-5:]),
+            done=self._task.done() if self._task else False,
+            ready=self.worker is not None,
+        )
+        return self.worker.stats.message(**actor) if self.worker else RolloutStats(**actor)
 
     async def shutdown(self) -> None:
         await self.stop(timeout_s=5.0)

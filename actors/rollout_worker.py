@@ -23,13 +23,14 @@ import random
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 from actors.lockstep import LockstepEngine, TurnBarrier
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode import EpisodeRunner
 from async_agent_rl.records import Trajectory
+from async_agent_rl.stats import RolloutStats, new_incarnation
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ async def ignore_lost(group_ids: list[str]) -> None:
 
 @dataclass
 class WorkerStats:
+    """The worker's running totals (mutated as episodes end); ``message()`` is the ``RolloutStats`` it reports."""
+
     started: int = 0
     finished: int = 0
     failed: int = 0
@@ -81,6 +84,7 @@ class WorkerStats:
     observation_tokens: int = 0
     searches: int = 0
     search_errors: int = 0
+    turns: int = 0
     reward_sum: float = 0.0
     reward_component_sums: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
@@ -88,6 +92,7 @@ class WorkerStats:
     by_kind: dict = field(default_factory=dict)
     failures: Counter = field(default_factory=Counter)  # failed episodes by exception type
     started_at: float = field(default_factory=time.monotonic)
+    incarnation: str = field(default_factory=new_incarnation)
 
     def add_finished(self, traj: Trajectory) -> None:
         self.finished += 1
@@ -95,6 +100,7 @@ class WorkerStats:
         self.observation_tokens += len(traj.response_ids) - traj.num_generated_tokens
         self.searches += traj.meta.num_searches
         self.search_errors += traj.meta.num_search_errors
+        self.turns += traj.meta.num_turns
         self.reward_sum += traj.reward
         self.reward_component_sums.update(traj.reward_components)
         self.finish_reasons[traj.meta.finish_reason] += 1
@@ -102,16 +108,17 @@ class WorkerStats:
         k.update(finished=1, reward_sum=traj.reward, searches=traj.meta.num_searches,
                  exact_match_sum=traj.reward_components.get("exact_match", 0.0))
 
-    def as_dict(self) -> dict:
-        skip = ("finish_reasons", "reward_component_sums", "by_kind", "failures", "started_at")
-        d = {k: v for k, v in self.__dict__.items() if k not in skip}
-        d["finish_reasons"] = dict(self.finish_reasons)
-        d["failures"] = dict(self.failures)
-        d["reward_component_sums"] = dict(self.reward_component_sums)
-        d["by_kind"] = {kind: dict(c) for kind, c in self.by_kind.items()}
-        d["elapsed_s"] = time.monotonic() - self.started_at
-        d["running"] = self.started - self.finished - self.failed
-        return d
+    def message(self, **actor: Any) -> RolloutStats:
+        """These totals as a ``RolloutStats``; ``actor`` sets the actor's own fields (index, version, search, ...)."""
+        totals = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("started_at",)}
+        return RolloutStats(
+            **{**totals, "reward_component_sums": dict(self.reward_component_sums),
+               "finish_reasons": dict(self.finish_reasons), "failures": dict(self.failures),
+               "by_kind": {kind: dict(c) for kind, c in self.by_kind.items()}},
+            elapsed_s=time.monotonic() - self.started_at,
+            running=self.started - self.finished - self.failed,
+            **actor,
+        )
 
 
 class RolloutWorker:

@@ -29,6 +29,7 @@ import aiohttp
 
 from async_agent_rl.config import SearchClientConfig
 from async_agent_rl.episode import ErrorKind, SearchError
+from async_agent_rl.stats import SearchStats
 from retriever.backends import Hit
 
 ERROR_KINDS: tuple[ErrorKind, ...] = ("timeout", "connection", "http_status", "bad_reply")
@@ -113,6 +114,11 @@ class SearchClient:
         """Monotonic counts: requests (calls), attempts, retries, failures (calls that raised), errors_<kind>."""
         keys = ["requests", "attempts", "retries", "failures"] + [f"errors_{k}" for k in ERROR_KINDS]
         return {k: self._counts[k] for k in keys}
+
+    def stats(self) -> SearchStats:
+        c = self._counts
+        return SearchStats(requests=c["requests"], attempts=c["attempts"], retries=c["retries"],
+                           failures=c["failures"], errors={k: c[f"errors_{k}"] for k in ERROR_KINDS})
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:

@@ -61,6 +61,13 @@ class TrainBatch:
         """(B,) int64: prompt + response tokens of each row (padding excluded)."""
         return self.attention_mask.sum(dim=1)
 
+    def min_versions(self) -> list[int]:
+        """Per row, the oldest policy version among its generated tokens; ``OBS_VERSION`` for a row that generated
+        nothing (what ``staleness.staleness`` measures from)."""
+        never = torch.iinfo(torch.int64).max
+        oldest = torch.where(self.versions != OBS_VERSION, self.versions, never).min(dim=1).values
+        return [OBS_VERSION if v == never else int(v) for v in oldest.tolist()]
+
     def summary(self) -> dict[str, float]:
         """What the batch's episodes looked like (means over rows): ``response_length`` (model + observation
         tokens), ``generated_tokens``, ``searches``, ``search_errors``, ``turns``, ``answered`` (fraction that

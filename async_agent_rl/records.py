@@ -226,6 +226,51 @@ class Trajectory:
         return cls(**d).validate()
 
 
+@dataclass(frozen=True)
+class RecordSummary:
+    """What the replay buffer indexes a wire record by, read without decoding its token arrays (``peek``)."""
+
+    group_id: str
+    min_version: int  # oldest version among generated tokens, ``OBS_VERSION`` when none was generated
+    tokens: int  # prompt + response tokens
+    priority: float  # ``meta.extra["priority"]``, 0 when absent
+    reward: float
+    correct: float | None  # ``reward_components["exact_match"]`` when scored
+
+
+def peek(blob: bytes) -> RecordSummary:
+    """The ``RecordSummary`` of one wire record (``Trajectory.encode``), without decoding the token arrays into lists
+    (about 7 us for 2k tokens, against ~190 us for ``Trajectory.decode``). Checks the schema and that the per-token
+    arrays agree; raises ``RecordError`` otherwise."""
+    try:
+        d = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise RecordError(f"not a msgpack trajectory record: {e}") from None
+    if not isinstance(d, dict) or d.get("schema") != SCHEMA_VERSION:
+        got = d.get("schema") if isinstance(d, dict) else type(d).__name__
+        raise RecordError(f"not a trajectory record of schema version {SCHEMA_VERSION} (got {got!r})")
+    try:
+        n = len(d["response_ids"]) // 4
+        mask = np.frombuffer(d["loss_mask"], dtype="u1")
+        versions = np.frombuffer(d["versions"], dtype="<i4")
+        if len(mask) != n or len(versions) != n or len(d["behavior_logprobs"]) != 4 * n:
+            raise RecordError("per-token arrays differ in length from response_ids")
+        generated = versions[mask.astype(bool)]
+        meta = d["meta"]
+        return RecordSummary(
+            group_id=str(meta["group_id"]),
+            min_version=int(generated.min()) if generated.size else OBS_VERSION,
+            tokens=len(d["prompt_ids"]) // 4 + n,
+            priority=float((meta.get("extra") or {}).get("priority", 0.0)),
+            reward=float(d.get("reward", 0.0)),
+            correct=(d.get("reward_components") or {}).get("exact_match"),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, RecordError):
+            raise
+        raise RecordError(f"malformed trajectory record: {e!r}") from None
+
+
 def _from_bytes(buf: Any, dtype: str, name: str) -> np.ndarray:
     if not isinstance(buf, (bytes, bytearray, memoryview)):
         raise RecordError(f"trajectory field {name!r} must be bytes, got {type(buf).__name__}")

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from async_agent_rl.records import OBS_VERSION
+from async_agent_rl.stats import AdmissionStats
 
 
 class AdmissionError(ValueError):
@@ -151,6 +152,9 @@ class AdmissionState:
         if n < 0 or n > self.live:
             raise AdmissionError(f"{n} trajectories reported evicted but only {self.live} are accepted and live")
         self.evicted += n
+
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(**self.counters())
 
     def counters(self) -> dict[str, int]:
         return {

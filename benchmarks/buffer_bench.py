@@ -110,11 +110,13 @@ def main() -> None:
     cfg = build_config(
         {
             "rollout": {"group_size": args.group_size, "num_actors": args.producers, "max_concurrent_episodes": 10**6},
+            "learner": {"batch_size": args.learner_batch, "mini_batch_size": args.learner_batch,
+                        "micro_batch_size": args.learner_batch},
             "buffer": {"max_staleness": 10**6},  # every version is 0 here; admission is exercised, not binding
             "cluster": {"buffer_cpus": 0},
         }
     )
-    buffer = create_buffer_actor(cfg)
+    buffer = create_buffer_actor(cfg, pad_id=0)
     producers = [Producer.remote(args.tokens, i) for i in range(args.producers)]
     per_traj = len(msgpack.packb(template(args.tokens, 0), use_bin_type=True))
     unit = math.lcm(args.sample_batch, args.group_size * args.producers)  # whole samples, whole groups per producer
@@ -154,13 +156,13 @@ def main() -> None:
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        batch = ray.get(buffer.sample_batch.remote(args.learner_batch, 0, pad_id=0))
+        batch = ray.get(buffer.sample_batch.remote(0))
         times.append(time.perf_counter() - t0)
     print(f"step    sample_batch({args.learner_batch}) -> TrainBatch {tuple(batch.input_ids.shape)}: "
           f"median {statistics.median(times) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms over {args.repeats}")
     stats = ray.get(buffer.stats.remote())
-    print(f"stats   pushed={stats['pushed']} sampled={stats['sampled']} size={stats['size']} "
-          f"evicted={stats['evicted_total']} push_refused={stats['push_refused']}")
+    print(f"stats   pushed={stats.pushed} sampled={stats.sampled} size={stats.size} "
+          f"evicted={stats.evicted_total} push_refused={stats.push_refused}")
     ray.shutdown()
 
 

@@ -83,7 +83,7 @@ def bench_learner(cfg: Config, batch: TrainBatch, steps: int) -> dict:
         m = learner.train_step(batch)
         walls.append(time.perf_counter() - t0)
         cpus.append(cpu_seconds() - c0)
-        rates.append(m["tokens_per_s"])
+        rates.append(m.tokens_per_s)
     return {"zero_stage": cfg.learner.zero_stage, "dtype": cfg.learner.dtype, "step_s": statistics.median(walls),
             "tokens_per_s": statistics.median(rates), "cpu_s_per_step": statistics.median(cpus),
             "tokens_per_step": int(batch.seq_lengths.sum()), "learner": learner}

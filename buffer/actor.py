@@ -10,19 +10,27 @@ Protocol for a rollout actor (every call carries a batch; an actor round trip co
    does not wait for them.
 
 A push of an episode that was already counted lost (``actor_lost``: its actor was declared dead, perhaps while
-its last push was still on the way) is dropped and counted in ``stats()["late_pushes"]``: it was rejected once, and
+its last push was still on the way) is dropped and counted in ``stats().late_pushes``: it was rejected once, and
 taking it now would spend another actor's running slot (and raise ``AdmissionError`` in that actor's push).
 
-The learner calls ``sample(batch_size, version)`` (wire bytes) or ``sample_batch(...)`` (a packed ``TrainBatch``).
-Create the actor with ``create_buffer_actor(cfg)``: its resources come from ``cluster.buffer_cpus``.
+The learner's batches: ``sample_batch(version, timeout_s)`` returns a packed ``TrainBatch`` of ``batch_size``
+trajectories (padded with ``pad_id``; both fixed when the actor is created) as soon as the buffer can make one up at
+learner ``version``, or None after ``timeout_s`` (the caller checks for faults and asks again). The driver hands the
+reference straight to the learner (``learner.train_step.remote(buffer.sample_batch.remote(...))``), so the batch
+goes from this actor to the learner ranks through the object store, never through the driver. The actor is async:
+while ``sample_batch`` waits (on an event set by every push, rejection and lost actor, and at the next
+partial-group timeout; no polling) the rollout actors' calls run. ``sample(batch_size, version)`` gives wire bytes.
+
+Create the actor with ``create_buffer_actor(cfg, pad_id=...)``: its resources come from ``cluster.buffer_cpus``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import ray
 
@@ -30,6 +38,7 @@ from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import BufferConfig, Config
 from async_agent_rl.records import Trajectory
 from async_agent_rl.staleness import AdmissionError, AdmissionState
+from async_agent_rl.stats import BufferStats, new_incarnation
 from buffer.replay_buffer import PushResult, ReplayBuffer, SnapshotError, peek_group_id
 
 SNAPSHOT_FILE = "replay_buffer.snapshot"
@@ -39,9 +48,13 @@ class BufferActor:
     """``consumed_per_version``: trajectories the learner consumes per policy version (``learner.batch_size *
     weight_sync.every_steps``); ``max_concurrent``: episodes in flight over all rollout actors."""
 
-    def __init__(self, config: BufferConfig, *, group_size: int, consumed_per_version: int, max_concurrent: int):
+    def __init__(self, config: BufferConfig, *, group_size: int, consumed_per_version: int, max_concurrent: int,
+                 batch_size: int, pad_id: int = 0):
         self.config = config
         self.group_size = group_size
+        self.batch_size = batch_size
+        self.pad_id = pad_id
+        self._changed = asyncio.Event()  # set when a batch may have become possible (async actor: one event loop)
         self._admission_args = dict(
             max_staleness=config.max_staleness,
             batch_size=consumed_per_version,
@@ -51,6 +64,7 @@ class BufferActor:
         self.admission = AdmissionState(**self._admission_args)
         self.buffer = ReplayBuffer(config, group_size, on_evict=self._on_evict)
         self._samples = 0
+        self.incarnation = new_incarnation()
         # episodes admitted but not yet pushed or rejected, per group, and the actor running them: when an actor
         # dies its in-flight episodes are counted lost (``actor_lost``) so admission slots and groups never leak
         self._inflight: dict[str, list] = {}  # group_id -> [actor_id, episodes in flight]
@@ -59,6 +73,9 @@ class BufferActor:
         self._late_pushes = 0
         self._pushing = False
         self._evicted_in_push = 0
+
+    def _wake(self) -> None:
+        self._changed.set()
 
     def _on_evict(self, n: int) -> None:
         if self._pushing:  # a group completed by this push was filtered: its members are not counted accepted yet
@@ -105,6 +122,8 @@ class BufferActor:
         if self._inflight:
             for blob in blobs[: result.accepted]:
                 self._done(peek_group_id(blob))
+        if result.accepted:
+            self._wake()
         return result
 
     def reject(self, group_ids: Sequence[str]) -> None:
@@ -112,6 +131,7 @@ class BufferActor:
         self.buffer.reject(group_ids)
         for gid in group_ids:
             self._done(gid)
+        self._wake()
 
     def _done(self, group_id: str) -> None:
         entry = self._inflight.get(group_id)
@@ -122,7 +142,7 @@ class BufferActor:
 
     def actor_lost(self, actor_id: str) -> int:
         """A rollout actor died: its in-flight episodes will never arrive. Each is rejected (admission slot
-        freed, its group released short or dropped) and counted in ``stats()["lost_episodes"]``; returns how many."""
+        freed, its group released short or dropped) and counted in ``stats().lost_episodes``; returns how many."""
         lost = [gid for gid, (actor, k) in self._inflight.items() if actor == actor_id for _ in range(k)]
         if lost:
             self.reject(lost)
@@ -140,18 +160,28 @@ class BufferActor:
                 self.snapshot()
         return blobs
 
-    def sample_batch(
-        self, batch_size: int, learner_version: int, pad_id: int, pad_to_multiple_of: int = 1
-    ) -> Optional[TrainBatch]:
-        blobs = self.sample(batch_size, learner_version)
-        if blobs is None:
-            return None
-        return pack_batch([Trajectory.decode(b) for b in blobs], pad_id, pad_to_multiple_of)
+    async def sample_batch(self, learner_version: int, timeout_s: float = 0.0) -> Optional[TrainBatch]:
+        """A ``TrainBatch`` of ``batch_size`` trajectories for the learner at ``learner_version``, as soon as the
+        buffer can make one up; None when it could not within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._changed.clear()
+            blobs = self.sample(self.batch_size, learner_version)
+            if blobs is not None:
+                return pack_batch([Trajectory.decode(b) for b in blobs], self.pad_id)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            expiry = self.buffer.partial_timeout_in()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left if expiry is None else min(left, expiry + 0.01))
+            except asyncio.TimeoutError:
+                pass
 
     # ---------------------------------------------------------------------------------------- monitoring, disk
-    def stats(self) -> dict[str, Any]:
-        return {**self.buffer.stats(), "admission": self.admission.counters(), "lost_episodes": dict(self._lost),
-                "late_pushes": self._late_pushes}
+    def stats(self) -> BufferStats:
+        return dataclasses.replace(self.buffer.stats(), incarnation=self.incarnation, admission=self.admission.stats(),
+                                   lost_episodes=dict(self._lost), late_pushes=self._late_pushes)
 
     def _path(self, path: Optional[str]) -> Path:
         if path is not None:
@@ -164,7 +194,7 @@ class BufferActor:
         """Write the buffer and the admission counters; returns the file written."""
         return str(self.buffer.snapshot(self._path(path), extra={"admission": self.admission.counters()}))
 
-    def restore(self, path: Optional[str] = None) -> dict[str, Any]:
+    def restore(self, path: Optional[str] = None) -> BufferStats:
         """Replace the state with a snapshot's (raises ``SnapshotError`` naming the file); returns ``stats()``.
         Episodes that were running when the snapshot was taken count as rejected."""
         buffer, extra = ReplayBuffer.restore(self._path(path), self.config, self.group_size, on_evict=self._on_evict)
@@ -173,11 +203,13 @@ class BufferActor:
         except (KeyError, TypeError, ValueError) as e:
             raise SnapshotError(f"snapshot {self._path(path)} has no valid admission counters: {e!r}") from None
         self.buffer, self.admission = buffer, admission
+        self.incarnation = new_incarnation()  # its totals are the snapshot's from here on
+        self._wake()
         return self.stats()
 
 
-def create_buffer_actor(cfg: Config, *, name: Optional[str] = None) -> "ray.actor.ActorHandle":
-    """Start the buffer actor with resources and sizes from ``cfg``."""
+def create_buffer_actor(cfg: Config, *, pad_id: int, name: Optional[str] = None) -> "ray.actor.ActorHandle":
+    """Start the buffer actor with resources and sizes from ``cfg``; its batches are padded with ``pad_id``."""
     actor_cls = ray.remote(num_cpus=cfg.cluster.buffer_cpus)(BufferActor)
     if name is not None:
         actor_cls = actor_cls.options(name=name)
@@ -186,6 +218,8 @@ def create_buffer_actor(cfg: Config, *, name: Optional[str] = None) -> "ray.acto
         group_size=cfg.rollout.group_size,
         consumed_per_version=cfg.learner.batch_size * cfg.weight_sync.every_steps,
         max_concurrent=cfg.rollout.num_actors * cfg.rollout.max_concurrent_episodes,
+        batch_size=cfg.learner.batch_size,
+        pad_id=pad_id,
     )
 
 

@@ -1,6 +1,7 @@
 """Version-tagged replay buffer of GRPO groups (a plain class; ``buffer.actor`` is its Ray shell).
 
-Trajectories are kept as their msgpack wire bytes (``Trajectory.encode``) and grouped by ``meta.group_id``.
+Trajectories are kept as their wire bytes (``Trajectory.encode``; ``records.peek`` reads what the index needs) and
+grouped by ``meta.group_id``.
 
 Groups. A group is *ready* when all ``group_size`` members arrived, or fewer when members were reported rejected
 (``reject``); such a short group is released with what came, counted in ``groups_released_short``. A group still
@@ -11,7 +12,7 @@ incomplete ``partial_group_timeout_s`` after its first member arrived follows ``
 Group filtering (``group_filter="zero_variance"``; rLLM's rejection sampling, DAPO's dynamic sampling). A group whose
 members' rewards are all equal (within ``zero_variance_tol``) has zero GRPO advantage everywhere: it costs a learner
 step's compute and teaches nothing. Such a group is evicted the moment it completes (reason
-``filtered_zero_variance``; ``stats()["filtered_groups"]`` splits the dropped groups into ``all_correct`` /
+``filtered_zero_variance``; ``stats().filtered_groups`` splits the dropped groups into ``all_correct`` /
 ``all_wrong`` by the members' exact-match score, ``all_equal`` for the rest), so it never takes a batch slot: the
 batch is filled from the groups that follow, and the freed admission slots let the actors generate replacements.
 A policy that earns the same reward everywhere (a random model: always 0) would then never fill a batch; after
@@ -47,12 +48,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import msgpack
-import numpy as np
 
 from async_agent_rl.config import BufferConfig
 from async_agent_rl.errors import InputError
-from async_agent_rl.records import OBS_VERSION, SCHEMA_VERSION, RecordError, Trajectory
+from async_agent_rl.records import OBS_VERSION, RecordError, Trajectory, peek
 from async_agent_rl.staleness import group_min_version, is_stale, staleness
+from async_agent_rl.stats import BufferStats
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ EVICT_STALE = "stale"
 EVICT_PARTIAL_TIMEOUT = "partial_group_timeout"
 EVICT_ZERO_VARIANCE = "filtered_zero_variance"
 EVICTION_REASONS = (EVICT_STALE, EVICT_PARTIAL_TIMEOUT, EVICT_ZERO_VARIANCE)
+COUNTERS = ("pushed", "sampled", "push_refused", "rejected", "groups_released_short", "groups_released_partial",
+            "groups_overdue", "groups_completed", "groups_zero_variance", "zero_variance_kept")
 
 
 class CapacityError(ValueError):
@@ -112,42 +115,15 @@ class _Group:
 
 
 def _peek(blob: bytes) -> tuple[str, _Item]:
-    """Group id and index entry of one wire record, without decoding the token arrays into lists (about 7 us for
-    2k tokens, against ~190 us for ``Trajectory.decode``). Checks the schema and that per-token arrays agree."""
-    try:
-        d = msgpack.unpackb(blob, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise RecordError(f"not a msgpack trajectory record: {e}") from None
-    if not isinstance(d, dict) or d.get("schema") != SCHEMA_VERSION:
-        got = d.get("schema") if isinstance(d, dict) else type(d).__name__
-        raise RecordError(f"not a trajectory record of schema version {SCHEMA_VERSION} (got {got!r})")
-    try:
-        n = len(d["response_ids"]) // 4
-        mask = np.frombuffer(d["loss_mask"], dtype="u1")
-        versions = np.frombuffer(d["versions"], dtype="<i4")
-        if len(mask) != n or len(versions) != n or len(d["behavior_logprobs"]) != 4 * n:
-            raise RecordError("per-token arrays differ in length from response_ids")
-        generated = versions[mask.astype(bool)]
-        meta = d["meta"]
-        item = _Item(
-            blob=blob,
-            min_version=int(generated.min()) if generated.size else OBS_VERSION,
-            tokens=len(d["prompt_ids"]) // 4 + n,
-            priority=float((meta.get("extra") or {}).get("priority", 0.0)),
-            pushed_at=0.0,
-            reward=float(d.get("reward", 0.0)),
-            correct=(d.get("reward_components") or {}).get("exact_match"),
-        )
-        return str(meta["group_id"]), item
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, RecordError):
-            raise
-        raise RecordError(f"malformed trajectory record: {e!r}") from None
+    """Group id and index entry of one wire record (``records.peek``)."""
+    r = peek(blob)
+    return r.group_id, _Item(blob=blob, min_version=r.min_version, tokens=r.tokens, priority=r.priority,
+                             pushed_at=0.0, reward=r.reward, correct=r.correct)
 
 
 def peek_group_id(blob: bytes) -> str:
     """``meta.group_id`` of a wire record (validated like a push)."""
-    return _peek(blob)[0]
+    return peek(blob).group_id
 
 
 class ReplayBuffer:
@@ -390,6 +366,14 @@ class ReplayBuffer:
                     group.gid, len(group.items), self.group_size, now - group.first_at,
                 )
 
+    def partial_timeout_in(self) -> Optional[float]:
+        """Seconds until the next pending group reaches ``partial_group_timeout_s`` (when it may be released or
+        dropped), or None while no group waits for it. A sampler waiting for a batch wakes up then."""
+        firsts = [g.first_at for g in self._pending.values() if g.items and not g.overdue]
+        if not firsts:
+            return None
+        return max(0.0, min(firsts) + self.config.partial_group_timeout_s - self._clock())
+
     def _evict(self, group: _Group, reason: str, why: str, quiet: bool = False) -> None:
         n = len(group.items)
         self.evicted[reason] += n
@@ -405,37 +389,28 @@ class ReplayBuffer:
         self._bytes -= sum(len(it.blob) for it in group.items)
 
     # ----------------------------------------------------------------------------------------------------- stats
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> BufferStats:
         """Monitoring view. ``staleness_histogram`` counts consumed trajectories by staleness."""
         self._expire_partial()
         now = self._clock()
         groups = list(self._pending.values()) + list(self._ready.values())
         oldest = min((it.pushed_at for g in groups for it in g.items[:1]), default=None)
-        return {
-            "size": self._size,
-            "tokens": self._tokens,
-            "bytes": self._bytes,
-            "ready_groups": len(self._ready),
-            "pending_groups": sum(1 for g in self._pending.values() if g.items),
-            "oldest_age_s": 0.0 if oldest is None else now - oldest,
-            "learner_version": self.learner_version,
-            "pushed": self.counters["pushed"],
-            "sampled": self.counters["sampled"],
-            "push_refused": self.counters["push_refused"],
-            "rejected": self.counters["rejected"],
-            "groups_released_short": self.counters["groups_released_short"],
-            "groups_released_partial": self.counters["groups_released_partial"],
-            "groups_overdue": self.counters["groups_overdue"],
-            "groups_completed": self.counters["groups_completed"],
-            "groups_zero_variance": self.counters["groups_zero_variance"],
-            "evicted": dict(self.evicted),
-            "evicted_total": sum(self.evicted.values()),
-            "filtered_groups": dict(self.filtered_groups),
-            "zero_variance_kept": self.counters["zero_variance_kept"],
-            "staleness_histogram": dict(sorted(self.staleness_histogram.items())),
-            "capacity_trajectories": self.config.capacity_trajectories,
-            "capacity_tokens": self.config.capacity_tokens,
-        }
+        c = self.counters
+        return BufferStats(
+            size=self._size,
+            tokens=self._tokens,
+            bytes=self._bytes,
+            ready_groups=len(self._ready),
+            pending_groups=sum(1 for g in self._pending.values() if g.items),
+            oldest_age_s=0.0 if oldest is None else now - oldest,
+            learner_version=self.learner_version,
+            capacity_trajectories=self.config.capacity_trajectories,
+            capacity_tokens=self.config.capacity_tokens,
+            **{name: c[name] for name in COUNTERS},
+            evicted=dict(self.evicted),
+            filtered_groups=dict(self.filtered_groups),
+            staleness_histogram=dict(sorted(self.staleness_histogram.items())),
+        )
 
     # ------------------------------------------------------------------------------------------------- snapshot
     def snapshot(self, path: str | Path, extra: Optional[dict[str, Any]] = None) -> Path:

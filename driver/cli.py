@@ -26,6 +26,7 @@ from pathlib import Path
 
 from async_agent_rl.config import Config, ConfigError, config_reference, load_config
 from async_agent_rl.errors import InputError, error_line
+from async_agent_rl.stats import RolloutStats
 
 # Each command imports what it needs inside its handler, so that `config show` or `retriever serve` does not pay
 # for (or fail on) Ray, torch, DeepSpeed or vLLM.
@@ -142,7 +143,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     async def sink(batch: list) -> None:
         out.extend(batch)
 
-    async def main() -> dict:
+    async def main() -> RolloutStats:
         async with local_stack(cfg, model) as stack:
             worker = RolloutWorker(
                 stack.runner,
@@ -153,14 +154,14 @@ def cmd_rollout(args: argparse.Namespace) -> int:
                 seed=cfg.rollout.seed,
             )
             groups = -(-args.num_episodes // cfg.rollout.group_size)
-            return (await worker.run(num_groups=groups)).as_dict()
+            return (await worker.run(num_groups=groups)).message()
 
     stats = asyncio.run(main())
     n = write_episodes(args.out, out[: args.num_episodes], model)
-    rate = stats["finished"] / max(stats["elapsed_s"], 1e-9)
+    rate = stats.finished / max(stats.elapsed_s, 1e-9)
     print(
-        f"{n} episodes -> {args.out}  ({rate:.2f} episodes/s, {stats['generated_tokens']} generated tokens, "
-        f"mean reward {stats['reward_sum'] / max(stats['finished'], 1):.3f}, finish {stats['finish_reasons']})"
+        f"{n} episodes -> {args.out}  ({rate:.2f} episodes/s, {stats.generated_tokens} generated tokens, "
+        f"mean reward {stats.reward_sum / max(stats.finished, 1):.3f}, finish {stats.finish_reasons})"
     )
     return 0
 

@@ -6,9 +6,10 @@ The driver's loop, top to bottom::
     start components      Ray, retriever server, replay buffer, learner rank(s), N rollout actors
     evaluate (start)      greedy exact match on held-out questions with the starting weights
     start rollouts        every actor runs episodes continuously (no batch barrier), admission-controlled
-    for each step:        sample a batch (waits while the buffer has too few fresh groups)
-                          learner step (proximal log-probs, advantages, importance-corrected PPO)
-                          every k steps: bump the version, publish weights to every actor
+    for each step:        the learner trains on the buffer's next batch (buffer -> learner by object reference;
+                          the buffer waits while it has too few fresh groups), proximal log-probs, advantages,
+                          importance-corrected PPO
+                          every k steps: the learner bumps its version; publish weights to every actor
                           log metrics, checkpoint
     stop rollouts, evaluate (end), save the final policy, plots
 
@@ -18,6 +19,7 @@ Everything the run produces lands in ``run_dir`` (``run.output_dir/run.name``): 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,7 +27,7 @@ import shutil
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit
 
 import ray  # also sets up the "ray" logger and its console handler, which _logs_to_file redirects
@@ -39,6 +41,9 @@ from actors.rollout_actor import create_rollout_actors
 from actors.stack import retriever_url
 from async_agent_rl.config import Config, load_config
 from async_agent_rl.errors import InputError
+from async_agent_rl.stats import (
+    BufferStats, DriverStats, LearnerStats, LearningStats, PublishStats, RolloutStats, RunTotals,
+)
 from buffer.actor import SNAPSHOT_FILE, create_buffer_actor
 from driver.plots import plot_run
 from driver.prepare import prepare
@@ -62,6 +67,13 @@ SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout 
 SEARCH_ERROR_WARN_RATE = 0.5  # warn when more than this share of a step's searches failed (at least 4 of them)
 SEARCH_WARN_EVERY_S = 60.0
 DRIVER_STATE = "driver_state.json"
+
+
+def run_totals(stats: RolloutStats) -> dict[str, float]:
+    """The rollout totals metrics.jsonl keeps per actor and for the run (``episodes_total``, ``em_sum_total``, ...)."""
+    return {"finished": stats.finished, "em_sum": stats.exact_match_sum or 0.0,
+            "generated_tokens": stats.generated_tokens, "searches": stats.searches,
+            "search_errors": stats.search_errors}
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[Path, list[str]]:
@@ -224,31 +236,28 @@ class LearningSignals:
 
     def __init__(self) -> None:
         self._groups = (0, 0)  # (completed, zero variance) at the previous step
-        self._kinds: dict[str, dict[str, float]] = {}  # per kind, totals over actors at the previous step
+        self._kinds = RunTotals()  # per actor, {(kind, total): value}
+        self._previous: dict = {}  # the run's totals by (kind, total) at the previous step
         self._flat_steps = 0
         self._pending: list[str] = []
 
-    def update(self, rollout: list[dict], buffer: dict, learner: dict) -> dict:
-        completed, flat = int(buffer.get("groups_completed", 0)), int(buffer.get("groups_zero_variance", 0))
+    def update(self, rollout: Sequence[RolloutStats], buffer: BufferStats, learner: LearnerStats) -> LearningStats:
+        completed, flat = buffer.groups_completed, buffer.groups_zero_variance
         d_completed, d_flat = completed - self._groups[0], flat - self._groups[1]
         self._groups = (completed, flat)
         share = d_flat / d_completed if d_completed > 0 else None
-        totals: dict[str, dict[str, float]] = {}
         for stats in rollout:
-            for kind, c in (stats.get("by_kind") or {}).items():
-                t = totals.setdefault(kind, {})
-                for key, value in c.items():
-                    t[key] = t.get(key, 0.0) + float(value)
+            self._kinds.report(f"actor{stats.index}", stats.incarnation,
+                               {(kind, key): v for kind, c in stats.by_kind.items() for key, v in c.items()})
+        totals, prev = self._kinds.run(), self._previous
         by_kind = {}
-        for kind, t in sorted(totals.items()):
-            prev = self._kinds.get(kind, {})
-            if t.get("finished", 0.0) < prev.get("finished", 0.0):  # an actor restarted: its totals began again
-                prev = {}
-            n = t.get("finished", 0.0) - prev.get("finished", 0.0)
+        for kind in sorted({kind for kind, _ in totals}):
+            n = totals.get((kind, "finished"), 0.0) - prev.get((kind, "finished"), 0.0)
             if n > 0:
                 by_kind[kind] = {"episodes": int(n), **{
-                    name: (t.get(total, 0.0) - prev.get(total, 0.0)) / n for name, total in self.KIND_TOTALS.items()}}
-        self._kinds = totals
+                    name: (totals.get((kind, total), 0.0) - prev.get((kind, total), 0.0)) / n
+                    for name, total in self.KIND_TOTALS.items()}}
+        self._previous = totals
         if share is not None:
             self._flat_steps = self._flat_steps + 1 if share >= self.FLAT_SHARE else 0
             if self._flat_steps == self.FLAT_STEPS:
@@ -257,7 +266,7 @@ class LearningSignals:
                     "rewards, so group-relative advantages are zero and RL learns nothing from them. Raise "
                     "rollout.temperature (more varied answers) or rollout.group_size (more chances of a spread), or "
                     "change the warm start (too weak: all wrong; too strong: all right)")
-        return {"zero_variance_share": share, "entropy": learner.get("entropy"), "by_kind": by_kind}
+        return LearningStats(zero_variance_share=share, entropy=learner.entropy, by_kind=by_kind)
 
     def warnings(self) -> list[str]:
         out, self._pending = self._pending, []
@@ -288,7 +297,7 @@ class Trainer:
         self.weights_ref = None  # the last published weights (a restarted actor gets them)
         self.restarts: dict[str, int] = {}
         self.lost_episodes = 0
-        self.retired: dict[str, float] = {}  # totals of actor incarnations that died (their stats restart at 0)
+        self.totals = RunTotals()  # the run's rollout totals (run_totals), restarted actors and a resume included
         self.resume_from: Path | None = None
         self.learning = LearningSignals()
         self.first_step: int | None = None  # the step the RL loop started from (a resumed run: its checkpoint's)
@@ -344,7 +353,8 @@ class Trainer:
         self.url = stack.enter_context(retriever_url(cfg, log_file=self.run_dir / "retriever.log"))
         self.log.say(f"[start] retriever {self.url}")
         self.mon = self._start_monitoring(stack)
-        self.buffer = create_buffer_actor(cfg)
+        self.pad_id = self._pad_id()
+        self.buffer = create_buffer_actor(cfg, pad_id=self.pad_id)
         learner_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": self.policy_path})})
         self.learner = create_learner_group(learner_cfg)
         actor_model, actor_version = self.policy_path, 0
@@ -356,7 +366,6 @@ class Trainer:
         )
         infos = ray.get([a.setup.remote() for a in self.actors])
         self.publisher = create_publisher(cfg.weight_sync.method, self.actors)
-        self.pad_id = self._pad_id()
         self.log.say(f"[start] buffer, {cfg.learner.num_ranks} learner rank(s), rollout actors {infos}")
 
     def _start_monitoring(self, stack: ExitStack):
@@ -371,7 +380,8 @@ class Trainer:
         return mon
 
     def _observe_components(self) -> None:
-        self.mon.observe(rollout=ray.get([a.stats.remote() for a in self.actors]), buffer=ray.get(self.buffer.stats.remote()))
+        self.mon.observe(rollout=ray.get([a.stats.remote() for a in self.actors]),
+                         buffer=ray.get(self.buffer.stats.remote()))
 
     def _pad_id(self) -> int:
         tok = AutoTokenizer.from_pretrained(self.policy_path)
@@ -380,37 +390,39 @@ class Trainer:
     def start_rollouts(self) -> None:
         ray.get([a.start.remote() for a in self.actors])
         if self.mon is not None:
+            self.mon.driver.update(self._driver_stats())  # every actor's restart count from 0 on
             self.mon.poll(self._observe_components, every_s=self.cfg.monitoring.log_every_s)
+
+    def _driver_stats(self) -> DriverStats:
+        restarts = {f"actor{i}": self.restarts.get(f"actor{i}", 0) for i in range(len(self.actors))}
+        return DriverStats(self.lost_episodes, restarts)
 
     def train_step(self, t0: float) -> None:
         cfg = self.cfg
-        wait0 = last_check = time.monotonic()
+        wait0 = time.monotonic()
         next_report = wait0 + 60.0
-        batch = None
-        while batch is None:
-            batch = ray.get(self.buffer.sample_batch.remote(cfg.learner.batch_size, self.version, self.pad_id))
-            if batch is None:
+        metrics = None
+        while metrics is None:
+            # the batch goes from the buffer to the learner by reference; None: no batch within the timeout
+            batch = self.buffer.sample_batch.remote(self.version, SUPERVISE_WHILE_WAITING_S)
+            metrics = self.learner.train_step(batch)
+            if metrics is None:
                 # an actor that died while the buffer is short would otherwise never be restarted: no batch comes
-                if time.monotonic() - last_check > SUPERVISE_WHILE_WAITING_S:
-                    self.supervise()
-                    last_check = time.monotonic()
+                self.supervise()
                 if time.monotonic() > next_report:  # once a minute: why is there no batch?
                     next_report += 60.0
                     b = ray.get(self.buffer.stats.remote())
-                    self.log.say(f"[wait] no batch for {time.monotonic() - wait0:.0f} s: buffer size {b.get('size')}, ready groups "
-                                 f"{b.get('ready_groups')}, pending {b.get('pending_groups')}, evicted "
-                                 f"{b.get('evicted')}, admission {b.get('admission')}")
-                time.sleep(0.05)
-        wait_s = time.monotonic() - wait0
-        batch_summary = batch.summary()
-        metrics = self.learner.train_step(batch)
-        self.step += 1
-        publish = {}
+                    self.log.say(f"[wait] no batch for {time.monotonic() - wait0:.0f} s: buffer size {b.size}, ready "
+                                 f"groups {b.ready_groups}, pending {b.pending_groups}, evicted {b.evicted}, "
+                                 f"admission {dataclasses.asdict(b.admission)}")
+        wait_s = max(0.0, time.monotonic() - wait0 - metrics.step_time_s)  # until the batch was at the learner
+        self.step = metrics.step
+        publish = None
         if self.step % cfg.weight_sync.every_steps == 0:
             self.version = self.learner.bump_version()
             self.weights_ref = self.learner.state_dict_ref()
             try:
-                publish = self.publisher.publish(self.version, self.weights_ref).as_metrics()
+                publish = self.publisher.publish(self.version, self.weights_ref)
             except ray.exceptions.RayError as e:  # a dead or restarted actor: supervise() below restarts it
                 self.log.say(f"[fault] weight publish failed on a rollout actor: {type(e).__name__}")
         rollout = self.supervise()
@@ -418,10 +430,11 @@ class Trainer:
         if self.mon is not None:
             self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish)
         record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
-        record["batch"] = batch_summary
-        record["learning"] = self.learning.update(rollout, buffer, metrics)
+        record["batch"] = metrics.batch
+        learning = self.learning.update(rollout, buffer, metrics)
+        record["learning"] = dataclasses.asdict(learning)
         if self.mon is not None:
-            self.mon.learning.update(record["learning"])
+            self.mon.learning.update(learning)
         for warning in self.learning.warnings():
             self.log.say(f"[warn] {warning}")
         self._warn_search_errors(record)
@@ -431,7 +444,7 @@ class Trainer:
         if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
             self.checkpoint()  # after the step's metrics line: a resume keeps exactly the lines up to here
 
-    def _step_line(self, record: dict, metrics: dict, t0: float) -> str:
+    def _step_line(self, record: dict, metrics: LearnerStats, t0: float) -> str:
         total = self.cfg.learner.total_steps
         elapsed = time.monotonic() - t0
         done = max(1, self.step - (self.first_step or 0))
@@ -439,22 +452,23 @@ class Trainer:
         flat = record["learning"]["zero_variance_share"]
         return (
             f"step {self.step:>{len(str(total))}}/{total}  reward {record['batch_reward']:.2f}  "
-            f"rollout EM {record['rollout_exact_match']:.2f}  entropy {metrics.get('entropy', float('nan')):.3f}  "
+            f"rollout EM {record['rollout_exact_match']:.2f}  "
+            f"entropy {float('nan') if metrics.entropy is None else metrics.entropy:.3f}  "
             f"equal-reward groups {'  -' if flat is None else f'{flat:3.0%}'}  "
-            f"stale {metrics.get('staleness_mean', 0):.1f}/{metrics.get('staleness_max', 0):.0f}  "
+            f"stale {metrics.staleness_mean:.1f}/{metrics.staleness_max:.0f}  "
             f"{record['episodes_per_s']:.0f} ep/s  wait {record['sample_wait_s']:.1f}s  eta {_duration(eta)}"
         )
 
-    def supervise(self) -> list[dict]:
-        """Every rollout actor's stats; an actor that died (or stopped answering) is restarted, its in-flight
-        episodes counted lost, and it gets the current weights before it runs again. One that stopped answering
+    def supervise(self) -> list[RolloutStats]:
+        """Every rollout actor's stats (folded into the run's totals); an actor that died (or stopped answering) is
+        restarted, its in-flight episodes counted lost, and it gets the current weights before it runs again. One that stopped answering
         may still be alive: it is killed first (Ray restarts it), so ``setup()`` never builds a second engine in a live
         incarnation and it generates nothing more; a push it sent before dying is dropped by the buffer as late."""
         out = []
         for i, actor in enumerate(self.actors):
             try:
                 stats = ray.get(actor.stats.remote(), timeout=self.cfg.cluster.actor_timeout_s)
-                problem = None if stats.get("ready") else "restarted by Ray, not set up"
+                problem = None if stats.ready else "restarted by Ray, not set up"
             except (RayActorError, GetTimeoutError) as e:
                 problem = type(e).__name__
             if problem:
@@ -463,14 +477,12 @@ class Trainer:
                     ray.kill(actor, no_restart=False)
                 self._restart_actor(i)
                 stats = ray.get(actor.stats.remote())
+            self.totals.report(f"actor{stats.index}", stats.incarnation, run_totals(stats))
             out.append(stats)
         return out
 
     def _restart_actor(self, i: int) -> None:
         actor, actor_id = self.actors[i], f"actor{i}"
-        last = self.history[-1]["per_actor"].get(actor_id, {}) if self.history else {}
-        for key, value in last.items():  # keep what the dead incarnation did in the run's totals
-            self.retired[key] = self.retired.get(key, 0.0) + value
         lost = ray.get(self.buffer.actor_lost.remote(actor_id))
         self.lost_episodes += lost
         self.restarts[actor_id] = self.restarts.get(actor_id, 0) + 1
@@ -488,31 +500,21 @@ class Trainer:
         ray.get(actor.start.remote())
         self.log.say(f"[fault] rollout actor {i} restarted at version {self.version}; {lost} in-flight episodes lost")
         if self.mon is not None:
-            self.mon.driver.update({"lost_episodes": self.lost_episodes, "actor_restarts": self.restarts})
+            self.mon.driver.update(self._driver_stats())
 
-    def _record(self, metrics: dict, publish: dict, rollout: list[dict], buffer: dict, wait_s: float, elapsed: float) -> dict:
-        per_actor = {
-            f"actor{r['index']}": {
-                "finished": r.get("finished", 0),
-                "em_sum": r.get("reward_component_sums", {}).get("exact_match", 0.0),
-                "generated_tokens": r.get("generated_tokens", 0),
-                "searches": r.get("searches", 0),
-                "search_errors": r.get("search_errors", 0),
-            }
-            for r in rollout
-        }
-        finished = self.retired.get("finished", 0) + sum(a["finished"] for a in per_actor.values())
-        em_sum = self.retired.get("em_sum", 0.0) + sum(a["em_sum"] for a in per_actor.values())
-        generated = self.retired.get("generated_tokens", 0) + sum(a["generated_tokens"] for a in per_actor.values())
-        searches = self.retired.get("searches", 0) + sum(a["searches"] for a in per_actor.values())
-        search_errors = self.retired.get("search_errors", 0) + sum(a["search_errors"] for a in per_actor.values())
+    def _record(self, metrics: LearnerStats, publish: PublishStats | None, rollout: list[RolloutStats],
+                buffer: BufferStats, wait_s: float, elapsed: float) -> dict:
+        per_actor = {f"actor{r.index}": run_totals(r) for r in rollout}
+        run = self.totals.run()
+        finished, em_sum, generated = run.get("finished", 0), run.get("em_sum", 0.0), run.get("generated_tokens", 0)
+        searches, search_errors = run.get("searches", 0), run.get("search_errors", 0)
         prev = self.history[-1] if self.history else {"episodes_total": 0, "em_sum_total": 0.0}
         new_eps = finished - prev["episodes_total"]
         return {
             "step": self.step,
             "version": self.version,
             "elapsed_s": elapsed,
-            "batch_reward": metrics.get("reward_mean", 0.0),
+            "batch_reward": metrics.reward_mean,
             "rollout_exact_match": (em_sum - prev["em_sum_total"]) / new_eps if new_eps else prev.get("rollout_exact_match", 0.0),
             "episodes_total": int(finished),
             "em_sum_total": em_sum,
@@ -525,11 +527,11 @@ class Trainer:
             "actor_restarts": dict(self.restarts),
             "lost_episodes": self.lost_episodes,
             "sample_wait_s": wait_s,
-            "buffer_size": buffer.get("size", 0),
-            "buffer_evicted": buffer.get("evicted", {}),
-            "buffer_filtered_groups": buffer.get("filtered_groups", {}),
-            "learner": metrics,
-            "publish": publish,
+            "buffer_size": buffer.size,
+            "buffer_evicted": buffer.evicted,
+            "buffer_filtered_groups": buffer.filtered_groups,
+            "learner": metrics.as_dict(),
+            "publish": publish.as_metrics() if publish is not None else {},
         }
 
     def _warn_search_errors(self, record: dict) -> None:
@@ -562,7 +564,7 @@ class Trainer:
         )
         return rec
 
-    def stop_rollouts(self) -> list[dict]:
+    def stop_rollouts(self) -> list[RolloutStats]:
         return ray.get([a.stop.remote() for a in self.actors])
 
     def checkpoint(self) -> str:
@@ -574,7 +576,7 @@ class Trainer:
         self.learner.save_checkpoint(tmp)
         ray.get(self.buffer.snapshot.remote(str(tmp / SNAPSHOT_FILE)))
         state = {"step": self.step, "version": self.version, "restarts": self.restarts,
-                 "lost_episodes": self.lost_episodes, "retired": self.retired}  # fmt: skip
+                 "lost_episodes": self.lost_episodes, "totals": self.totals.run()}  # fmt: skip
         (tmp / DRIVER_STATE).write_text(json.dumps(state))
         path = commit_checkpoint(tmp, final)  # checksum manifest last, then the rename
         self.log.say(f"[checkpoint] {path}")
@@ -604,10 +606,9 @@ class Trainer:
         ckpt = self.resume_from
         state = json.loads((ckpt / DRIVER_STATE).read_text())
         check_model_matches(ckpt, self.policy_path)
-        self.learner.load_checkpoint(ckpt)
+        self.step, self.version = self.learner.load_checkpoint(ckpt)  # the learner owns both
         ray.get(self.buffer.restore.remote(str(ckpt / SNAPSHOT_FILE)))
-        self.step, self.version = state["step"], state["version"]
-        self.restarts, self.lost_episodes, self.retired = state["restarts"], state["lost_episodes"], state["retired"]
+        self.restarts, self.lost_episodes = state["restarts"], state["lost_episodes"]
         metrics = self.run_dir / "metrics.jsonl"
         kept = []
         for line in metrics.read_text().splitlines() if metrics.is_file() else []:
@@ -619,18 +620,21 @@ class Trainer:
         metrics.write_text("".join(line + "\n" for line in kept))
         self.history = [json.loads(line) for line in kept]
         # episodes counted before the crash are history now: the new actors count from zero
+        base = state.get("totals", state.get("retired", {}))  # "retired": checkpoints of older versions
         if self.history:
             last = self.history[-1]
-            self.retired = {"finished": last["episodes_total"], "em_sum": last["em_sum_total"],
-                            "generated_tokens": last.get("generated_tokens_total", 0),
-                            "searches": last.get("searches_total", 0),
-                            "search_errors": last.get("search_errors_total", 0)}  # fmt: skip
+            base = {"finished": last["episodes_total"], "em_sum": last["em_sum_total"],
+                    "generated_tokens": last.get("generated_tokens_total", 0),
+                    "searches": last.get("searches_total", 0),
+                    "search_errors": last.get("search_errors_total", 0)}  # fmt: skip
+        self.totals = RunTotals(base)
         self.log.say(f"[resume] {ckpt}: step {self.step}, version {self.version}")
 
     def save(self, directory: Path) -> str:
         return self.learner.save_checkpoint(directory)
 
-    def summary(self, start: dict | None, end: dict | None, rollout: list[dict], seconds: float, final: str) -> dict:
+    def summary(self, start: dict | None, end: dict | None, rollout: list[RolloutStats], seconds: float,
+                final: str) -> dict:
         s: dict[str, Any] = {
             "run_dir": str(self.run_dir),
             "steps": self.step,
@@ -639,7 +643,7 @@ class Trainer:
             "final_checkpoint": final,
             "final_policy": str(Path(final) / "policy"),
             "episodes": self.history[-1]["episodes_total"] if self.history else 0,
-            "episodes_failed": sum(r.get("failed", 0) for r in rollout),
+            "episodes_failed": sum(r.failed for r in rollout),
             "searches": self.history[-1]["searches_total"] if self.history else 0,
             "search_errors": self.history[-1]["search_errors_total"] if self.history else 0,
             "actor_restarts": dict(self.restarts),

@@ -20,6 +20,7 @@ import ray
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config
 from async_agent_rl.net import free_port
+from async_agent_rl.stats import LearnerStats
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.learner import Learner
 
@@ -33,8 +34,9 @@ class LearnerActor:
     def rank(self) -> int:
         return self.learner.rank
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.learner.train_step(batch)
+    def train_step(self, batch: Optional[TrainBatch]) -> Optional[LearnerStats]:
+        """One step on ``batch``; None when there is none (the buffer's ``sample_batch`` timed out)."""
+        return None if batch is None else self.learner.train_step(batch)
 
     def bump_version(self) -> int:
         return self.learner.bump_version()
@@ -47,8 +49,10 @@ class LearnerActor:
     def save_checkpoint(self, directory: str) -> str:
         return str(save_checkpoint(self.learner, directory))
 
-    def load_checkpoint(self, directory: str) -> None:
+    def load_checkpoint(self, directory: str) -> tuple[int, int]:
+        """Load ``directory``; returns the learner's (step, version) from it."""
         load_checkpoint(self.learner, directory)
+        return self.learner.step, self.learner.version
 
 
 def rank_env(rank: int, world_size: int, master_port: int, device: str) -> dict[str, str]:
@@ -83,8 +87,10 @@ class LearnerGroup:
     def _all(self, method: str, *args: Any) -> list[Any]:
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        ref = ray.put(batch)  # one copy in the object store for all ranks
+    def train_step(self, batch: "TrainBatch | ray.ObjectRef") -> Optional[LearnerStats]:
+        """One step on every rank. Best given the reference ``buffer.sample_batch.remote(...)`` returned: the batch
+        then goes from the buffer to the ranks, never through the caller. None when that found no batch."""
+        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)  # one copy for all ranks
         return self._all("train_step", ref)[0]
 
     def bump_version(self) -> int:
@@ -99,8 +105,10 @@ class LearnerGroup:
     def save_checkpoint(self, directory: str | Path) -> str:
         return self._all("save_checkpoint", str(directory))[0]
 
-    def load_checkpoint(self, directory: str | Path) -> None:
-        self._all("load_checkpoint", str(directory))
+    def load_checkpoint(self, directory: str | Path) -> tuple[int, int]:
+        """Load ``directory`` on every rank; returns the learner's (step, version) from it."""
+        step, version = self._all("load_checkpoint", str(directory))[0]
+        return step, version
 
 
 def create_learner_group(cfg: Config) -> LearnerGroup:

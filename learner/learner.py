@@ -35,15 +35,16 @@ sampled (PPO's KL-penalty variant), which costs no extra model.
 
 Temperature: ``rollout.temperature``; 0 (greedy rollouts) is taken as 1.
 
-Policy version: ``version`` counts published updates (``bump_version``); the staleness of a trajectory at
-consumption is ``version - min(token versions)``.
+Policy version: the learner owns it; ``version`` counts published updates (``bump_version``, whose reply the driver
+forwards to the buffer and the rollout actors). The staleness of a trajectory at consumption is
+``async_agent_rl.staleness.staleness(version, oldest generated token version)``: 0 when it generated nothing.
 
 Finite training: a step whose policy loss or gradient norm (critic's too) is not finite raises
 ``NonFiniteError`` naming the step and the quantities, and so does publishing or saving a policy with a non-finite
 parameter. The run stops there; nothing non-finite is published or saved, so the last checkpoint on disk is the
 last good policy.
 
-Metrics of ``train_step`` (floats, this rank's rows; losses are the mini-batch aggregates averaged over updates):
+Metrics of ``train_step`` (``LearnerStats``, this rank's rows; losses are the mini-batch aggregates averaged over updates):
 
 =====================  =================================================================================
 key                    meaning
@@ -61,7 +62,7 @@ behavior_kl            KL(behavior || proximal), staleness plus trainer/inferenc
 grad_norm              global gradient norm before clipping, mean over optimizer updates
 critic_grad_norm       the same for the critic (``gae`` only)
 lr                     policy learning rate of this step
-staleness_mean/max     ``version - min token version`` over the batch's trajectories
+staleness_mean/max     ``staleness.staleness`` over the batch's trajectories
 reward_mean            mean episode reward of the batch
 advantage_mean         mean advantage over loss positions
 loss_tokens            loss positions in the batch
@@ -98,6 +99,8 @@ from async_agent_rl.algorithms import (
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config, LearnerConfig
 from async_agent_rl.net import free_port
+from async_agent_rl.staleness import staleness
+from async_agent_rl.stats import LearnerStats
 
 MAX_METRICS = ("iw_max",)  # reduced by max over micro-batches; every other metric by a unit-weighted mean
 
@@ -395,7 +398,7 @@ class Learner:
         return full
 
     # ------------------------------------------------------------------------------------------------ step
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> LearnerStats:
         """One learner step on ``batch`` (every rank gets the same batch). Returns the metrics of the module
         docstring; ``step`` advances by one, ``version`` does not (see ``bump_version``)."""
         t0 = time.perf_counter()
@@ -411,10 +414,12 @@ class Learner:
             for mini in self._mini_batches(w, epoch):
                 self._train_mini_batch(w, mini, targets, metrics)
         self.step += 1
-        out = self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0)
+        out = self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0, batch.min_versions())
         checked = ("policy_loss", "grad_norm", "value_loss", "critic_grad_norm")
         require_finite(self.step, "loss or gradient norm", ((k, out[k]) for k in checked if k in out))
-        return out
+        stats = LearnerStats.from_dict(out)
+        stats.batch = batch.summary()
+        return stats
 
     def _targets(self, w: _Window) -> _Targets:
         """The no-grad passes over this rank's rows (proximal, reference, critic), then advantages over all rows."""
@@ -452,16 +457,14 @@ class Learner:
             self.critic.set_lr(lc.critic_lr * factor)
         return lc.lr * factor
 
-    def _step_metrics(self, metrics: _Metrics, w: _Window, targets: _Targets, lr: float,
-                      step_time: float) -> dict[str, float]:
-        # staleness: version - min token version per trajectory, over its generated tokens
-        oldest = torch.where(w.generated, w.versions, torch.full_like(w.versions, torch.iinfo(torch.int64).max))
-        staleness = (self.version - oldest.min(dim=1).values).float()
+    def _step_metrics(self, metrics: _Metrics, w: _Window, targets: _Targets, lr: float, step_time: float,
+                      min_versions: list[int]) -> dict[str, float]:
+        stale = [staleness(self.version, v) for v in min_versions]
         out = metrics.result()
         out.update(
             lr=lr,
-            staleness_mean=float(staleness.mean()),
-            staleness_max=float(staleness.max()),
+            staleness_mean=sum(stale) / len(stale),
+            staleness_max=float(max(stale)),
             reward_mean=float(w.rewards.mean()),
             advantage_mean=float(masked_mean(targets.advantages, w.mask)),
             loss_tokens=float(w.mask.sum()),

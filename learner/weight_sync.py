@@ -31,32 +31,15 @@ Rollout actor contract (methods on the actor handles given to a publisher; sync 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence, Union
 
 import numpy as np
 import ray
 import torch
 
+from async_agent_rl.stats import PublishStats
+
 State = Mapping[str, Union[np.ndarray, torch.Tensor]]
-
-
-@dataclass
-class PublishStats:
-    """``seconds``: publish call to every actor done (the publish latency); ``put_seconds``: ``ray.put`` (object
-    store) or the broadcasts (NCCL); ``actor_seconds``: each actor's own reload time when it reports one."""
-
-    version: int
-    method: str
-    seconds: float
-    put_seconds: float
-    bytes: int
-    num_actors: int
-    actor_seconds: list[float] = field(default_factory=list)
-
-    def as_metrics(self) -> dict[str, float]:
-        return {"publish_latency_s": self.seconds, "publish_put_s": self.put_seconds,
-                "publish_bytes": float(self.bytes), "publish_version": float(self.version)}
 
 
 class WeightPublisher(Protocol):

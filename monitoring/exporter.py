@@ -39,6 +39,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from async_agent_rl.stats import BufferStats, LearnerStats, PublishStats, RolloutStats
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -188,7 +190,7 @@ class RunMonitoring:
         mon.poll(lambda: mon.observe(rollout=ray.get([a.stats.remote() for a in actors]),
                                      buffer=ray.get(buffer.stats.remote())), every_s=cfg.monitoring.log_every_s)
         ...  # each learner step:
-        mon.observe(learner=step_metrics, publish=publish_stats.as_metrics())
+        mon.observe(learner=learner_stats, publish=publish_stats)
         mon.eval.update(scores, split="heldout", step=step)                # after each evaluation
         mon.close()                                                        # stops polling, frees the port
 
@@ -245,18 +247,17 @@ class RunMonitoring:
             self._targets.pop(job, None)
         write_sd_file(self.sd_file, self._targets)
 
-    def observe(self, *, rollout: Sequence[Mapping[str, Any]] = (), buffer: Optional[Mapping[str, Any]] = None,
-                learner: Optional[Mapping[str, Any]] = None, publish: Optional[Mapping[str, Any]] = None) -> None:
+    def observe(self, *, rollout: Sequence[RolloutStats] = (), buffer: Optional[BufferStats] = None,
+                learner: Optional[LearnerStats] = None, publish: Optional[PublishStats] = None) -> None:
         """Fold in whatever the driver has at hand: ``RolloutActor.stats()`` of each actor, ``BufferActor.stats()``,
-        the ``train_step`` metrics, ``PublishStats.as_metrics()`` (empty or None: skipped)."""
+        the ``train_step`` stats, the step's ``PublishStats`` (None: skipped)."""
         for stats in rollout:
-            if stats:
-                self.rollout.update(stats)
-        if buffer:
+            self.rollout.update(stats)
+        if buffer is not None:
             self.buffer.update(buffer)
-        if learner:
+        if learner is not None:
             self.learner.update(learner)
-        if publish:
+        if publish is not None:
             self.driver.observe_publish(publish)
 
     def poll(self, fn: Callable[[], Any], every_s: float) -> None:

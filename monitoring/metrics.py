@@ -1,36 +1,38 @@
-"""Every Prometheus metric of the system, defined once, and the updaters that feed them from plain stats dicts.
+"""Every Prometheus metric of the system, defined once, each fed from one field of a typed stats message.
 
 Names are stable and documented (``docs/METRICS.md`` is generated from ``SPECS``: ``python -m monitoring.metrics``).
 All start with ``aar_``; a counter's constant is the sample name PromQL sees (``..._total``); a histogram's constant
 is the family name (query ``_bucket``, ``_sum``, ``_count``). The retrieval server exports its own ``retriever_*``
 metrics (``retriever.server.ServerMetrics``) and is scraped as a target of its own.
 
-Components stay free of Prometheus: they keep plain monotonic totals and gauges in the dicts they already return,
-and one updater per component turns a dict into metrics, in whichever process holds the registry::
+Components stay free of Prometheus: they report the messages of ``async_agent_rl.stats`` (plain monotonic totals
+and gauges), and one updater per component turns a message into metrics, in whichever process holds the registry::
 
     registry = new_registry()                       # one per process
-    rollout = RolloutMetrics(registry)              # label ``actor`` from stats["index"]
-    rollout.update(ray.get(actor.stats.remote()))   # RolloutActor.stats(): WorkerStats.as_dict() + search + weights
-    BufferMetrics(registry).update(ray.get(buffer.stats.remote()))       # BufferActor.stats()
-    LearnerMetrics(registry).update(learner_metrics)                     # the dict train_step returns
-    DriverMetrics(registry).observe_publish(publish_stats.as_metrics())  # PublishStats.as_metrics()
+    rollout = RolloutMetrics(registry)              # label ``actor`` from RolloutStats.index
+    rollout.update(ray.get(actor.stats.remote()))   # RolloutActor.stats() -> RolloutStats
+    BufferMetrics(registry).update(ray.get(buffer.stats.remote()))       # BufferActor.stats() -> BufferStats
+    LearnerMetrics(registry).update(learner_stats)                       # Learner.train_step -> LearnerStats
+    DriverMetrics(registry).observe_publish(publish_stats)               # PublishStats
     EvalMetrics(registry).update(score_episodes(...), split="heldout")
 
-Counters from totals. A component reports totals since it started; an updater increments its counter by the change
-since the totals it saw last (the first sight counts the whole total). A total that went down means the source
-restarted (a restarted rollout actor, a buffer rebuilt without its snapshot): the new total is counted as fresh
-increments, so counters only ever increase and ``rate()`` stays right. A rollout actor whose ``elapsed_s`` went down
-restarted too, even if its totals already grew past the old ones. Calling ``update`` twice with the same dict changes
-nothing. Histograms of events (step time, weight updates, publishes) observe each event once, keyed by its step or
-version.
+By construction. Every spec names the message type and the field that feeds it (``MetricSpec.source`` and
+``field``; ``_define`` refuses a field the message does not have), and each updater iterates over its component's
+specs and reads those fields: a metric no message carries cannot be defined.
+
+Counters from totals. A component reports totals since its process started; ``async_agent_rl.stats.RunTotals``
+turns them into totals since the run began (a restarted rollout actor has a new ``incarnation`` and counts from
+zero again: what the old one reported is kept), and a counter grows by what those run totals grew, so counters
+only ever increase and ``rate()`` stays right. Calling ``update`` twice with the same message changes nothing.
+Histograms of events (step time, weight updates, publishes) observe each event once, keyed by its step or version.
 
 Gauges appear only once set: a quantity a configuration never computes (``kl`` without a KL term, importance weights
-under plain PPO) is absent rather than a misleading 0. Keys missing from a stats dict are skipped, so the updaters
-accept older and newer dicts alike.
+under plain PPO: None in ``LearnerStats``) is absent rather than a misleading 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from dataclasses import dataclass
@@ -39,6 +41,11 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from async_agent_rl.stats import (
+    AdmissionStats, BufferStats, DriverStats, EvalScore, LearnerStats, LearningStats, PublishStats, RolloutStats,
+    RunTotals, SearchStats,
+)
 
 PREFIX = "aar_"
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
@@ -52,21 +59,30 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 
 @dataclass(frozen=True)
 class MetricSpec:
+    """One metric, fed from ``source.field`` (a field or property of a stats message of ``async_agent_rl.stats``).
+    A labelled counter or gauge beyond ``actor`` is fed from a mapping field, its keys the label values."""
+
     name: str
     kind: str  # COUNTER | GAUGE | HISTOGRAM
     help: str
     labels: tuple[str, ...]
     component: str
+    source: type
+    field: str
     buckets: Optional[tuple[float, ...]] = None
 
 
 SPECS: dict[str, MetricSpec] = {}
 COMPONENTS = ("rollout", "search", "buffer", "admission", "learner", "driver", "eval")
+# the message each component's metrics are fed from (the driver's metrics name theirs)
+SOURCES: dict[str, type] = {"rollout": RolloutStats, "search": SearchStats, "buffer": BufferStats,
+                            "admission": AdmissionStats, "learner": LearnerStats, "eval": EvalScore}
 
 
 def _define(component: str, name: str, kind: str, help: str, labels: Sequence[str] = (),
-            buckets: Optional[Sequence[float]] = None) -> str:
-    """Record one metric in ``SPECS`` and return its name (the module constant)."""
+            buckets: Optional[Sequence[float]] = None, *, field: str, source: Optional[type] = None) -> str:
+    """Record one metric in ``SPECS`` and return its name (the module constant). ``field`` of ``source`` (by
+    default the component's message) feeds it."""
     if not name.startswith(PREFIX) or (component != "driver" and not name.startswith(f"{PREFIX}{component}_")):
         raise ValueError(f"{name}: a {component} metric must start with {PREFIX}{component}_")
     if name in SPECS:
@@ -75,193 +91,197 @@ def _define(component: str, name: str, kind: str, help: str, labels: Sequence[st
         raise ValueError(f"{name}: counters, and only counters, end in _total")
     if (kind == HISTOGRAM) != (buckets is not None):
         raise ValueError(f"{name}: histograms, and only histograms, have buckets")
-    SPECS[name] = MetricSpec(name, kind, help, tuple(labels), component, tuple(buckets) if buckets else None)
+    source = source or SOURCES[component]
+    if field not in {f.name for f in dataclasses.fields(source)} and not isinstance(getattr(source, field, None),
+                                                                                  property):
+        raise ValueError(f"{name}: {source.__name__} has no field {field!r} to feed it")
+    SPECS[name] = MetricSpec(name, kind, help, tuple(labels), component, source, field,
+                             tuple(buckets) if buckets else None)
     return name
 
 
 A = ("actor",)
 
 # ------------------------------------------------------------------------------------------------------ rollout
-ROLLOUT_EPISODES_STARTED = _define("rollout", "aar_rollout_episodes_started_total", COUNTER, "episodes started", A)
+ROLLOUT_EPISODES_STARTED = _define("rollout", "aar_rollout_episodes_started_total", COUNTER, "episodes started", A, field="started")
 ROLLOUT_EPISODES_FINISHED = _define(
-    "rollout", "aar_rollout_episodes_finished_total", COUNTER, "episodes finished with a trajectory", A)
+    "rollout", "aar_rollout_episodes_finished_total", COUNTER, "episodes finished with a trajectory", A, field="finished")
 ROLLOUT_EPISODES_FAILED = _define(
-    "rollout", "aar_rollout_episodes_failed_total", COUNTER, "episodes lost to an engine failure (no trajectory)", A)
-ROLLOUT_GROUPS_STARTED = _define("rollout", "aar_rollout_groups_started_total", COUNTER, "GRPO groups started", A)
+    "rollout", "aar_rollout_episodes_failed_total", COUNTER, "episodes lost to an engine failure (no trajectory)", A, field="failed")
+ROLLOUT_GROUPS_STARTED = _define("rollout", "aar_rollout_groups_started_total", COUNTER, "GRPO groups started", A, field="groups_started")
 ROLLOUT_TRAJECTORIES_PUSHED = _define(
-    "rollout", "aar_rollout_trajectories_pushed_total", COUNTER, "trajectories handed to the replay buffer", A)
+    "rollout", "aar_rollout_trajectories_pushed_total", COUNTER, "trajectories handed to the replay buffer", A, field="pushed")
 ROLLOUT_GENERATED_TOKENS = _define(
-    "rollout", "aar_rollout_generated_tokens_total", COUNTER, "tokens sampled by the engine in finished episodes", A)
+    "rollout", "aar_rollout_generated_tokens_total", COUNTER, "tokens sampled by the engine in finished episodes", A, field="generated_tokens")
 ROLLOUT_OBSERVATION_TOKENS = _define(
     "rollout", "aar_rollout_observation_tokens_total", COUNTER,
-    "observation (search result) tokens inserted into finished episodes", A)
-ROLLOUT_SEARCHES = _define("rollout", "aar_rollout_searches_total", COUNTER, "search calls in finished episodes", A)
+    "observation (search result) tokens inserted into finished episodes", A, field="observation_tokens")
+ROLLOUT_SEARCHES = _define("rollout", "aar_rollout_searches_total", COUNTER, "search calls in finished episodes", A, field="searches")
 ROLLOUT_SEARCH_ERRORS = _define(
     "rollout", "aar_rollout_search_errors_total", COUNTER,
-    "search calls of finished episodes that ended as an error observation", A)
+    "search calls of finished episodes that ended as an error observation", A, field="search_errors")
 ROLLOUT_TURNS = _define(
     "rollout", "aar_rollout_turns_total", COUNTER,
-    "model turns in finished episodes (stats key 'turns'; turns per episode = rate(this) / rate(finished))", A)
+    "model turns in finished episodes (turns per episode = rate(this) / rate(finished))", A, field="turns")
 ROLLOUT_FINISH_REASONS = _define(
     "rollout", "aar_rollout_finish_reasons_total", COUNTER,
     "finished episodes by how they ended (answer, max_turns, response_budget, context_limit, aborted)",
-    ("actor", "reason"))
+    ("actor", "reason"), field="finish_reasons")
 ROLLOUT_REWARD_MEAN = _define(
     "rollout", "aar_rollout_episode_reward_mean", GAUGE,
-    "mean reward of the episodes finished since the previous update", A)
+    "mean reward of the episodes finished since the previous update", A, field="reward_sum")
 ROLLOUT_EXACT_MATCH_MEAN = _define(
     "rollout", "aar_rollout_episode_exact_match_mean", GAUGE,
-    "mean exact match of the episodes finished since the previous update "
-    "(stats reward_component_sums['exact_match'], or exact_match_sum)", A)
+    "mean exact match of the episodes finished since the previous update (the exact_match reward term)", A, field="exact_match_sum")
 ROLLOUT_REWARD_COMPONENT_MEAN = _define(
     "rollout", "aar_rollout_episode_reward_component_mean", GAUGE,
     "mean unweighted score of each reward term over the episodes finished since the previous update",
-    ("actor", "component"))
-ROLLOUT_RUNNING_EPISODES = _define("rollout", "aar_rollout_running_episodes", GAUGE, "episodes in flight", A)
+    ("actor", "component"), field="reward_component_sums")
+ROLLOUT_RUNNING_EPISODES = _define("rollout", "aar_rollout_running_episodes", GAUGE, "episodes in flight", A, field="running")
 ROLLOUT_WEIGHT_VERSION = _define(
-    "rollout", "aar_rollout_weight_version", GAUGE, "policy version of the weights the engine samples with", A)
+    "rollout", "aar_rollout_weight_version", GAUGE, "policy version of the weights the engine samples with", A, field="version")
 ROLLOUT_WEIGHT_UPDATE_SECONDS = _define(
     "rollout", "aar_rollout_weight_update_seconds", HISTOGRAM,
-    "one in-flight weight reload in the engine, call to return", A, WEIGHT_SECONDS_BUCKETS)
+    "one in-flight weight reload in the engine, call to return", A, WEIGHT_SECONDS_BUCKETS, field="weight_updates")
 ROLLOUT_WEIGHT_UPDATE_PAUSE_SECONDS = _define(
     "rollout", "aar_rollout_weight_update_pause_seconds", HISTOGRAM,
-    "generation paused during one weight reload", A, WEIGHT_SECONDS_BUCKETS)
+    "generation paused during one weight reload", A, WEIGHT_SECONDS_BUCKETS, field="weight_updates")
 
 # ------------------------------------------------------------------------------------- search client (per actor)
-SEARCH_REQUESTS = _define("search", "aar_search_requests_total", COUNTER, "/retrieve calls made by the client", A)
-SEARCH_ATTEMPTS = _define("search", "aar_search_attempts_total", COUNTER, "HTTP attempts, retries included", A)
-SEARCH_RETRIES = _define("search", "aar_search_retries_total", COUNTER, "attempts that were retries", A)
+SEARCH_REQUESTS = _define("search", "aar_search_requests_total", COUNTER, "/retrieve calls made by the client", A, field="requests")
+SEARCH_ATTEMPTS = _define("search", "aar_search_attempts_total", COUNTER, "HTTP attempts, retries included", A, field="attempts")
+SEARCH_RETRIES = _define("search", "aar_search_retries_total", COUNTER, "attempts that were retries", A, field="retries")
 SEARCH_FAILURES = _define(
-    "search", "aar_search_failures_total", COUNTER, "calls that failed after all retries (error observation)", A)
+    "search", "aar_search_failures_total", COUNTER, "calls that failed after all retries (error observation)", A, field="failures")
 SEARCH_ERRORS = _define(
     "search", "aar_search_errors_total", COUNTER,
-    "failed attempts by kind (timeout, connection, http_status, bad_reply)", ("actor", "kind"))
+    "failed attempts by kind (timeout, connection, http_status, bad_reply)", ("actor", "kind"), field="errors")
 
 # ------------------------------------------------------------------------------------------------------- buffer
-BUFFER_TRAJECTORIES = _define("buffer", "aar_buffer_trajectories", GAUGE, "trajectories held (pending and ready)")
-BUFFER_TOKENS = _define("buffer", "aar_buffer_tokens", GAUGE, "prompt + response tokens held")
-BUFFER_BYTES = _define("buffer", "aar_buffer_bytes", GAUGE, "wire bytes held")
+BUFFER_TRAJECTORIES = _define("buffer", "aar_buffer_trajectories", GAUGE, "trajectories held (pending and ready)", field="size")
+BUFFER_TOKENS = _define("buffer", "aar_buffer_tokens", GAUGE, "prompt + response tokens held", field="tokens")
+BUFFER_BYTES = _define("buffer", "aar_buffer_bytes", GAUGE, "wire bytes held", field="bytes")
 BUFFER_CAPACITY_TRAJECTORIES = _define(
-    "buffer", "aar_buffer_capacity_trajectories", GAUGE, "capacity in trajectories (fill = trajectories / this)")
-BUFFER_CAPACITY_TOKENS = _define("buffer", "aar_buffer_capacity_tokens", GAUGE, "capacity in tokens")
-BUFFER_READY_GROUPS = _define("buffer", "aar_buffer_ready_groups", GAUGE, "groups ready to be sampled")
+    "buffer", "aar_buffer_capacity_trajectories", GAUGE, "capacity in trajectories (fill = trajectories / this)", field="capacity_trajectories")
+BUFFER_CAPACITY_TOKENS = _define("buffer", "aar_buffer_capacity_tokens", GAUGE, "capacity in tokens", field="capacity_tokens")
+BUFFER_READY_GROUPS = _define("buffer", "aar_buffer_ready_groups", GAUGE, "groups ready to be sampled", field="ready_groups")
 BUFFER_PENDING_GROUPS = _define(
-    "buffer", "aar_buffer_pending_groups", GAUGE, "groups with members still to arrive")
+    "buffer", "aar_buffer_pending_groups", GAUGE, "groups with members still to arrive", field="pending_groups")
 BUFFER_OLDEST_AGE = _define(
-    "buffer", "aar_buffer_oldest_age_seconds", GAUGE, "age of the oldest held trajectory (0 when empty)")
+    "buffer", "aar_buffer_oldest_age_seconds", GAUGE, "age of the oldest held trajectory (0 when empty)", field="oldest_age_s")
 BUFFER_LEARNER_VERSION = _define(
-    "buffer", "aar_buffer_learner_version", GAUGE, "learner version given with the latest sample")
-BUFFER_PUSHED = _define("buffer", "aar_buffer_pushed_total", COUNTER, "trajectories accepted into the buffer")
-BUFFER_SAMPLED = _define("buffer", "aar_buffer_sampled_total", COUNTER, "trajectories handed to the learner")
+    "buffer", "aar_buffer_learner_version", GAUGE, "learner version given with the latest sample", field="learner_version")
+BUFFER_PUSHED = _define("buffer", "aar_buffer_pushed_total", COUNTER, "trajectories accepted into the buffer", field="pushed")
+BUFFER_SAMPLED = _define("buffer", "aar_buffer_sampled_total", COUNTER, "trajectories handed to the learner", field="sampled")
 BUFFER_PUSH_REFUSED = _define(
-    "buffer", "aar_buffer_push_refused_total", COUNTER, "trajectories refused for lack of room (pushed again later)")
+    "buffer", "aar_buffer_push_refused_total", COUNTER, "trajectories refused for lack of room (pushed again later)", field="push_refused")
 BUFFER_REJECTED = _define(
-    "buffer", "aar_buffer_rejected_total", COUNTER, "group members reported rejected (will never arrive)")
+    "buffer", "aar_buffer_rejected_total", COUNTER, "group members reported rejected (will never arrive)", field="rejected")
 BUFFER_GROUPS_RELEASED = _define(
     "buffer", "aar_buffer_groups_released_total", COUNTER,
     "groups released incomplete: how=short (members rejected) or partial (timed out, partial_groups=release)",
-    ("how",))
+    ("how",), field="groups_released")
 BUFFER_GROUPS_OVERDUE = _define(
-    "buffer", "aar_buffer_groups_overdue_total", COUNTER, "groups past the partial-group timeout (wait mode)")
+    "buffer", "aar_buffer_groups_overdue_total", COUNTER, "groups past the partial-group timeout (wait mode)", field="groups_overdue")
 BUFFER_EVICTED = _define(
     "buffer", "aar_buffer_evicted_total", COUNTER,
-    "trajectories evicted unconsumed by reason (stale, partial_group_timeout, filtered_zero_variance)", ("reason",))
+    "trajectories evicted unconsumed by reason (stale, partial_group_timeout, filtered_zero_variance)", ("reason",), field="evicted")
 BUFFER_CONSUMED_STALENESS = _define(
     "buffer", "aar_buffer_consumed_staleness", HISTOGRAM,
-    "staleness (learner version - oldest token version) of each trajectory when sampled", (), STALENESS_BUCKETS)
+    "staleness (learner version - oldest token version) of each trajectory when sampled", (), STALENESS_BUCKETS, field="staleness_histogram")
 
 # --------------------------------------------------------------------------------- admission (in the buffer actor)
-ADMISSION_STARTED = _define("admission", "aar_admission_started_total", COUNTER, "episodes admitted to start")
-ADMISSION_ACCEPTED = _define("admission", "aar_admission_accepted_total", COUNTER, "episodes accepted into the buffer")
+ADMISSION_STARTED = _define("admission", "aar_admission_started_total", COUNTER, "episodes admitted to start", field="started")
+ADMISSION_ACCEPTED = _define("admission", "aar_admission_accepted_total", COUNTER, "episodes accepted into the buffer", field="accepted")
 ADMISSION_REJECTED = _define(
-    "admission", "aar_admission_rejected_total", COUNTER, "admitted episodes that ended without being accepted")
+    "admission", "aar_admission_rejected_total", COUNTER, "admitted episodes that ended without being accepted", field="rejected")
 ADMISSION_EVICTED = _define(
-    "admission", "aar_admission_evicted_total", COUNTER, "accepted episodes later evicted (their slots freed)")
-ADMISSION_RUNNING = _define("admission", "aar_admission_running", GAUGE, "admitted episodes not yet ended")
+    "admission", "aar_admission_evicted_total", COUNTER, "accepted episodes later evicted (their slots freed)", field="evicted")
+ADMISSION_RUNNING = _define("admission", "aar_admission_running", GAUGE, "admitted episodes not yet ended", field="running")
 
 # ------------------------------------------------------------------------------------------------------ learner
-LEARNER_STEP = _define("learner", "aar_learner_step", GAUGE, "learner steps done")
-LEARNER_VERSION = _define("learner", "aar_learner_policy_version", GAUGE, "learner policy version (published updates)")
-LEARNER_STEPS = _define("learner", "aar_learner_steps_total", COUNTER, "learner steps observed")
+LEARNER_STEP = _define("learner", "aar_learner_step", GAUGE, "learner steps done", field="step")
+LEARNER_VERSION = _define("learner", "aar_learner_policy_version", GAUGE, "learner policy version (published updates)", field="version")
+LEARNER_STEPS = _define("learner", "aar_learner_steps_total", COUNTER, "learner steps observed", field="step")
 LEARNER_TRAINED_TOKENS = _define(
-    "learner", "aar_learner_trained_tokens_total", COUNTER, "non-padding tokens trained on")
-LEARNER_LOSS_TOKENS = _define("learner", "aar_learner_loss_tokens_total", COUNTER, "loss positions trained on")
+    "learner", "aar_learner_trained_tokens_total", COUNTER, "non-padding tokens trained on", field="trained_tokens")
+LEARNER_LOSS_TOKENS = _define("learner", "aar_learner_loss_tokens_total", COUNTER, "loss positions trained on", field="loss_tokens")
 LEARNER_STEP_SECONDS = _define(
-    "learner", "aar_learner_step_seconds", HISTOGRAM, "wall time of one train_step", (), STEP_SECONDS_BUCKETS)
+    "learner", "aar_learner_step_seconds", HISTOGRAM, "wall time of one train_step", (), STEP_SECONDS_BUCKETS, field="step_time_s")
 LEARNER_TOKENS_PER_SECOND = _define(
-    "learner", "aar_learner_tokens_per_second", GAUGE, "non-padding tokens / step time, latest step")
-LEARNER_POLICY_LOSS = _define("learner", "aar_learner_policy_loss", GAUGE, "policy loss, latest step")
-LEARNER_VALUE_LOSS = _define("learner", "aar_learner_value_loss", GAUGE, "critic value loss, latest step (gae)")
-LEARNER_KL = _define("learner", "aar_learner_kl", GAUGE, "KL to the reference policy, latest step")
+    "learner", "aar_learner_tokens_per_second", GAUGE, "non-padding tokens / step time, latest step", field="tokens_per_s")
+LEARNER_POLICY_LOSS = _define("learner", "aar_learner_policy_loss", GAUGE, "policy loss, latest step", field="policy_loss")
+LEARNER_VALUE_LOSS = _define("learner", "aar_learner_value_loss", GAUGE, "critic value loss, latest step (gae)", field="value_loss")
+LEARNER_KL = _define("learner", "aar_learner_kl", GAUGE, "KL to the reference policy, latest step", field="kl")
 LEARNER_APPROX_KL = _define(
-    "learner", "aar_learner_approx_kl", GAUGE, "KL(anchor || live policy) by k3 over the updates, latest step")
+    "learner", "aar_learner_approx_kl", GAUGE, "KL(anchor || live policy) by k3 over the updates, latest step", field="approx_kl")
 LEARNER_BEHAVIOR_KL = _define(
-    "learner", "aar_learner_behavior_kl", GAUGE, "KL(behavior || proximal): staleness plus engine mismatch")
-LEARNER_ENTROPY = _define("learner", "aar_learner_entropy", GAUGE, "policy entropy over loss positions")
+    "learner", "aar_learner_behavior_kl", GAUGE, "KL(behavior || proximal): staleness plus engine mismatch", field="behavior_kl")
+LEARNER_ENTROPY = _define("learner", "aar_learner_entropy", GAUGE, "policy entropy over loss positions", field="entropy")
 LEARNER_CLIP_FRACTION = _define(
-    "learner", "aar_learner_clip_fraction", GAUGE, "fraction of loss tokens with the PPO clip active")
+    "learner", "aar_learner_clip_fraction", GAUGE, "fraction of loss tokens with the PPO clip active", field="clip_frac")
 LEARNER_DUAL_CLIP_FRACTION = _define(
-    "learner", "aar_learner_dual_clip_fraction", GAUGE, "fraction of loss tokens with the dual clip active")
+    "learner", "aar_learner_dual_clip_fraction", GAUGE, "fraction of loss tokens with the dual clip active", field="dual_clip_frac")
 LEARNER_IW_MEAN = _define(
-    "learner", "aar_learner_importance_weight_mean", GAUGE, "mean behavior importance weight before the cap")
+    "learner", "aar_learner_importance_weight_mean", GAUGE, "mean behavior importance weight before the cap", field="iw_mean")
 LEARNER_IW_MAX = _define(
-    "learner", "aar_learner_importance_weight_max", GAUGE, "max behavior importance weight before the cap")
+    "learner", "aar_learner_importance_weight_max", GAUGE, "max behavior importance weight before the cap", field="iw_max")
 LEARNER_IW_CAPPED_FRACTION = _define(
     "learner", "aar_learner_importance_weight_capped_fraction", GAUGE,
-    "fraction of loss tokens whose importance weight was truncated or masked")
-LEARNER_GRAD_NORM = _define("learner", "aar_learner_grad_norm", GAUGE, "policy gradient norm before clipping")
-LEARNER_CRITIC_GRAD_NORM = _define("learner", "aar_learner_critic_grad_norm", GAUGE, "critic gradient norm (gae)")
-LEARNER_LR = _define("learner", "aar_learner_lr", GAUGE, "policy learning rate")
+    "fraction of loss tokens whose importance weight was truncated or masked", field="iw_capped_frac")
+LEARNER_GRAD_NORM = _define("learner", "aar_learner_grad_norm", GAUGE, "policy gradient norm before clipping", field="grad_norm")
+LEARNER_CRITIC_GRAD_NORM = _define("learner", "aar_learner_critic_grad_norm", GAUGE, "critic gradient norm (gae)", field="critic_grad_norm")
+LEARNER_LR = _define("learner", "aar_learner_lr", GAUGE, "policy learning rate", field="lr")
 LEARNER_BATCH_STALENESS_MEAN = _define(
-    "learner", "aar_learner_batch_staleness_mean", GAUGE, "mean staleness of the latest batch's trajectories")
+    "learner", "aar_learner_batch_staleness_mean", GAUGE, "mean staleness of the latest batch's trajectories", field="staleness_mean")
 LEARNER_BATCH_STALENESS_MAX = _define(
-    "learner", "aar_learner_batch_staleness_max", GAUGE, "max staleness of the latest batch's trajectories")
+    "learner", "aar_learner_batch_staleness_max", GAUGE, "max staleness of the latest batch's trajectories", field="staleness_max")
 LEARNER_BATCH_REWARD_MEAN = _define(
-    "learner", "aar_learner_batch_reward_mean", GAUGE, "mean episode reward of the latest batch")
+    "learner", "aar_learner_batch_reward_mean", GAUGE, "mean episode reward of the latest batch", field="reward_mean")
 LEARNER_ADVANTAGE_MEAN = _define(
-    "learner", "aar_learner_advantage_mean", GAUGE, "mean advantage over loss positions, latest batch")
+    "learner", "aar_learner_advantage_mean", GAUGE, "mean advantage over loss positions, latest batch", field="advantage_mean")
 
 # ------------------------------------------------------------------------------------- driver and weight sync
 DRIVER_POLICY_VERSION = _define(
-    "driver", "aar_driver_policy_version", GAUGE, "latest policy version published to the rollout actors")
+    "driver", "aar_driver_policy_version", GAUGE, "latest policy version published to the rollout actors", field="version", source=PublishStats)
 WEIGHT_PUBLISH_SECONDS = _define(
     "driver", "aar_weight_publish_seconds", HISTOGRAM,
-    "one publish, start to every rollout actor having applied it", (), WEIGHT_SECONDS_BUCKETS)
+    "one publish, start to every rollout actor having applied it", (), WEIGHT_SECONDS_BUCKETS, field="seconds", source=PublishStats)
 WEIGHT_PUBLISH_PUT_SECONDS = _define(
     "driver", "aar_weight_publish_put_seconds", HISTOGRAM,
-    "the object-store put (or NCCL broadcasts) of one publish", (), WEIGHT_SECONDS_BUCKETS)
-WEIGHT_PUBLISH_BYTES = _define("driver", "aar_weight_publish_bytes", GAUGE, "bytes of the latest publish")
+    "the object-store put (or NCCL broadcasts) of one publish", (), WEIGHT_SECONDS_BUCKETS, field="put_seconds", source=PublishStats)
+WEIGHT_PUBLISH_BYTES = _define("driver", "aar_weight_publish_bytes", GAUGE, "bytes of the latest publish", field="bytes", source=PublishStats)
 DRIVER_LOST_EPISODES = _define(
-    "driver", "aar_driver_lost_episodes_total", COUNTER, "in-flight episodes lost to actor failures")
+    "driver", "aar_driver_lost_episodes_total", COUNTER, "in-flight episodes lost to actor failures", field="lost_episodes", source=DriverStats)
 DRIVER_ACTOR_RESTARTS = _define(
-    "driver", "aar_driver_actor_restarts_total", COUNTER, "rollout actor restarts", A)
+    "driver", "aar_driver_actor_restarts_total", COUNTER, "rollout actor restarts", A, field="actor_restarts", source=DriverStats)
 
 # ---------------------------------------------------------------------------------- learning signals (driver)
 LEARNING_ZERO_VARIANCE_SHARE = _define(
     "driver", "aar_learning_zero_variance_share", GAUGE,
-    "share of the groups completed since the previous step whose rewards were all equal (no GRPO signal)")
+    "share of the groups completed since the previous step whose rewards were all equal (no GRPO signal)", field="zero_variance_share", source=LearningStats)
 LEARNING_REWARD_BY_KIND = _define(
     "driver", "aar_learning_rollout_reward", GAUGE,
     "mean reward of the rollout episodes finished since the previous step, by question kind (data source)",
-    ("kind",))
+    ("kind",), field="by_kind", source=LearningStats)
 LEARNING_EXACT_MATCH_BY_KIND = _define(
     "driver", "aar_learning_rollout_exact_match", GAUGE,
-    "mean exact match of the rollout episodes finished since the previous step, by question kind", ("kind",))
+    "mean exact match of the rollout episodes finished since the previous step, by question kind", ("kind",), field="by_kind", source=LearningStats)
 LEARNING_SEARCHES_BY_KIND = _define(
     "driver", "aar_learning_rollout_searches", GAUGE,
-    "searches per rollout episode finished since the previous step, by question kind", ("kind",))
+    "searches per rollout episode finished since the previous step, by question kind", ("kind",), field="by_kind", source=LearningStats)
 
 # --------------------------------------------------------------------------------------------------------- eval
 EVAL_LABELS = ("split", "source")
 EVAL_EXACT_MATCH = _define(
     "eval", "aar_eval_exact_match", GAUGE, "greedy exact match of the latest evaluation (split=heldout: test set)",
-    EVAL_LABELS)
-EVAL_F1 = _define("eval", "aar_eval_f1", GAUGE, "token F1 of the latest evaluation", EVAL_LABELS)
+    EVAL_LABELS, field="exact_match")
+EVAL_F1 = _define("eval", "aar_eval_f1", GAUGE, "token F1 of the latest evaluation", EVAL_LABELS, field="f1")
 EVAL_SEARCHES = _define(
-    "eval", "aar_eval_searches_per_question", GAUGE, "searches per question, latest evaluation", EVAL_LABELS)
-EVAL_TURNS = _define("eval", "aar_eval_turns_per_question", GAUGE, "turns per question, latest evaluation", EVAL_LABELS)
-EVAL_QUESTIONS = _define("eval", "aar_eval_questions", GAUGE, "questions in the latest evaluation", EVAL_LABELS)
-EVAL_STEP = _define("eval", "aar_eval_learner_step", GAUGE, "learner step of the latest evaluation", ("split",))
+    "eval", "aar_eval_searches_per_question", GAUGE, "searches per question, latest evaluation", EVAL_LABELS, field="searches_per_question")
+EVAL_TURNS = _define("eval", "aar_eval_turns_per_question", GAUGE, "turns per question, latest evaluation", EVAL_LABELS, field="turns_per_question")
+EVAL_QUESTIONS = _define("eval", "aar_eval_questions", GAUGE, "questions in the latest evaluation", EVAL_LABELS, field="n")
+EVAL_STEP = _define("eval", "aar_eval_learner_step", GAUGE, "learner step of the latest evaluation", ("split",), field="step", source=LearnerStats)
 
 
 # ============================================================================================ collectors
@@ -354,31 +374,6 @@ def _gauges(registry: CollectorRegistry, name: str) -> _Gauges:
     return _Gauges(s, registry)
 
 
-class _Totals:
-    """The last monotonic totals seen from each source (an actor, the buffer): turns totals into increments."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, dict[tuple, float]] = {}
-
-    def advance(self, source: str, items: Sequence[tuple[tuple, float]]) -> tuple[list[float], bool]:
-        """The increments for ``[(key, total), ...]`` of one report of ``source``, and whether it restarted.
-        A total that went down means the source started again from zero: then every total of this report is new
-        (the first sight of a key likewise counts its whole total)."""
-        last = self._last.setdefault(source, {})
-        restarted = any(k in last and t < last[k] for k, t in items)
-        if restarted:
-            last.clear()
-        out = []
-        for k, t in items:
-            out.append(t - last.get(k, 0.0))
-            last[k] = t
-        return out, restarted
-
-    def forget(self, source: str) -> None:
-        """A source known to have restarted: its next totals are all new."""
-        self._last.pop(source, None)
-
-
 def _num(x: Any) -> Optional[float]:
     if isinstance(x, bool) or x is None:
         return None
@@ -389,353 +384,257 @@ def _num(x: Any) -> Optional[float]:
     return v if math.isfinite(v) else None
 
 
+def _specs(*components: str, source: Optional[type] = None, kind: Optional[str] = None) -> list[MetricSpec]:
+    return [s for s in SPECS.values() if s.component in components and (source is None or s.source is source)
+            and (kind is None or s.kind == kind)]
+
+
+def _values(spec: MetricSpec, message: Any, fixed: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], float]]:
+    """``(labels, value)`` of ``spec`` from ``message``: the field under the ``fixed`` labels, or for a mapping field
+    one per key (the last label). A quantity not computed (None) or not finite gives nothing."""
+    value = getattr(message, spec.field)
+    pairs = value.items() if isinstance(value, Mapping) else [(None, value)]
+    out = []
+    for key, v in pairs:
+        v = _num(v)
+        if v is not None:
+            out.append(((*fixed, str(key)) if key is not None else fixed, v))
+    return out
+
+
+class _CounterFeed:
+    """Counters that follow a source's totals across its restarts (``RunTotals``): each report increments them by
+    what the run's totals grew since the last report; the same report twice changes nothing."""
+
+    def __init__(self) -> None:
+        self.totals = RunTotals()
+        self._exported: dict[tuple, float] = {}
+
+    def feed(self, source: str, incarnation: str, items: Sequence[tuple[str, tuple[str, ...], float]]
+             ) -> list[tuple[str, tuple[str, ...], float]]:
+        """``(name, labels, delta)`` for ``[(name, labels, total), ...]`` of one report."""
+        run = self.totals.report(source, incarnation, {(n, *labels): t for n, labels, t in items})
+        out = []
+        for name, labels, _ in items:
+            key = (name, *labels)
+            delta = run[key] - self._exported.get(key, 0.0)
+            self._exported[key] = max(run[key], self._exported.get(key, 0.0))
+            out.append((name, labels, delta))
+        return out
+
+
+def _inc(counter: Counter, labels: tuple[str, ...], delta: float) -> None:
+    child = counter.labels(*labels) if labels else counter  # exported (as 0) from the first sight on
+    if delta > 0:
+        child.inc(delta)
+
+
 # ============================================================================================ updaters
 class RolloutMetrics:
-    """Rollout actor and search client metrics, labelled ``actor``. ``update(stats)`` takes ``RolloutActor.stats()``:
-    the ``WorkerStats.as_dict()`` totals, ``index``, ``version``, ``search`` (``SearchClient.counters()``) and
-    ``weight_updates`` (recent ``{"version", "seconds", "pause_seconds"}`` records). ``reward_component_sums``
-    (per reward term, summed over finished episodes) gives the per-term means, and exact match when ``exact_match``
-    is a term. Optional keys ``turns`` and ``exact_match_sum`` (totals over finished episodes) feed the turn and
-    exact-match metrics when present.
-    One instance serves every actor whose stats pass through this process."""
+    """Rollout actor and search client metrics, labelled ``actor``, from ``RolloutStats`` (``RolloutActor.stats()``):
+    every metric of the ``rollout`` and ``search`` components reads the field its spec names. Counters follow the
+    totals across actor restarts (a new ``incarnation``); the mean gauges cover the episodes finished since the
+    previous update (``reward_sum`` and the reward term sums differenced, per ``finished``). One instance serves
+    every actor whose stats pass through this process."""
 
-    # stats key -> counter (all monotonic totals of WorkerStats)
-    TOTALS = {
-        "started": ROLLOUT_EPISODES_STARTED,
-        "finished": ROLLOUT_EPISODES_FINISHED,
-        "failed": ROLLOUT_EPISODES_FAILED,
-        "groups_started": ROLLOUT_GROUPS_STARTED,
-        "pushed": ROLLOUT_TRAJECTORIES_PUSHED,
-        "generated_tokens": ROLLOUT_GENERATED_TOKENS,
-        "observation_tokens": ROLLOUT_OBSERVATION_TOKENS,
-        "searches": ROLLOUT_SEARCHES,
-        "search_errors": ROLLOUT_SEARCH_ERRORS,
-        "turns": ROLLOUT_TURNS,
-    }
-    SEARCH_TOTALS = {
-        "requests": SEARCH_REQUESTS,
-        "attempts": SEARCH_ATTEMPTS,
-        "retries": SEARCH_RETRIES,
-        "failures": SEARCH_FAILURES,
-    }
+    MEANS = (ROLLOUT_REWARD_MEAN, ROLLOUT_EXACT_MATCH_MEAN, ROLLOUT_REWARD_COMPONENT_MEAN)
+    WEIGHT_UPDATES = {ROLLOUT_WEIGHT_UPDATE_SECONDS: "seconds", ROLLOUT_WEIGHT_UPDATE_PAUSE_SECONDS: "pause_seconds"}
 
     def __init__(self, registry: CollectorRegistry):
-        self.counters = {n: _counter(registry, n) for n in
-                         [*self.TOTALS.values(), ROLLOUT_FINISH_REASONS, *self.SEARCH_TOTALS.values(), SEARCH_ERRORS]}
-        self.reward_mean = _gauges(registry, ROLLOUT_REWARD_MEAN)
-        self.exact_match_mean = _gauges(registry, ROLLOUT_EXACT_MATCH_MEAN)
-        self.component_mean = _gauges(registry, ROLLOUT_REWARD_COMPONENT_MEAN)
-        self.running = _gauges(registry, ROLLOUT_RUNNING_EPISODES)
-        self.version = _gauges(registry, ROLLOUT_WEIGHT_VERSION)
-        self.update_seconds = _histogram(registry, ROLLOUT_WEIGHT_UPDATE_SECONDS)
-        self.pause_seconds = _histogram(registry, ROLLOUT_WEIGHT_UPDATE_PAUSE_SECONDS)
-        self._totals = _Totals()
-        self._elapsed: dict[str, float] = {}
-        self._sums: dict[str, dict[str, Optional[float]]] = {}
-        self._last_update_version: dict[str, int] = {}
+        specs = _specs("rollout", "search")
+        self.counters = {s.name: _counter(registry, s.name) for s in specs if s.kind == COUNTER}
+        self.gauges = {s.name: _gauges(registry, s.name) for s in specs if s.kind == GAUGE}
+        self.histograms = {s.name: _histogram(registry, s.name) for s in specs if s.kind == HISTOGRAM}
+        self._counts = _CounterFeed()
+        self._sums: dict[str, tuple[str, float, dict[tuple, float]]] = {}  # actor -> incarnation, finished, sums
+        self._last_update: dict[str, tuple[str, int]] = {}  # actor -> incarnation, latest weight version observed
         self._lock = threading.Lock()
 
-    def update(self, stats: Mapping[str, Any], actor: Optional[str] = None) -> None:
-        """Fold one stats dict in; ``actor`` defaults to ``stats["index"]``."""
-        if actor is None:
-            if "index" not in stats:
-                raise ValueError("rollout stats carry no 'index'; pass actor=")
-            actor = str(stats["index"])
+    def update(self, stats: RolloutStats) -> None:
         with self._lock:
-            self._update(stats, str(actor))
+            self._update(stats, str(stats.index))
 
-    def _update(self, s: Mapping[str, Any], actor: str) -> None:
-        elapsed = _num(s.get("elapsed_s"))
-        restarted = elapsed is not None and elapsed < self._elapsed.get(actor, -1.0)
-        if elapsed is not None:
-            self._elapsed[actor] = elapsed
-        if restarted:  # the worker started again (even if its totals already grew past the old ones)
-            self._totals.forget(actor)
-        search = s.get("search") or {}
-        items: list[tuple[str, tuple[str, ...], Any]] = [
-            *((name, (actor,), s.get(key)) for key, name in self.TOTALS.items()),
-            *((ROLLOUT_FINISH_REASONS, (actor, str(r)), t) for r, t in (s.get("finish_reasons") or {}).items()),
-            *((name, (actor,), search.get(key)) for key, name in self.SEARCH_TOTALS.items()),
-            *((SEARCH_ERRORS, (actor, k[len("errors_"):]), t) for k, t in search.items() if k.startswith("errors_")),
-        ]
-        items = [(n, labels, _num(t)) for n, labels, t in items if _num(t) is not None]
-        deltas, went_down = self._totals.advance(actor, [((n, *labels), t) for n, labels, t in items])
-        for (name, labels, _), d in zip(items, deltas):
-            child = self.counters[name].labels(*labels)  # exported (as 0) from the first sight on
-            if d > 0:
-                child.inc(d)
-        if restarted or went_down:
-            self._sums.pop(actor, None)
-            self._last_update_version.pop(actor, None)
+    def _update(self, s: RolloutStats, actor: str) -> None:
+        def message(spec: MetricSpec) -> Any:
+            return s.search if spec.source is SearchStats else s
+
+        items = [(spec.name, labels, v) for spec in _specs("rollout", "search", kind=COUNTER)
+                 for labels, v in _values(spec, message(spec), (actor,))]
+        for name, labels, delta in self._counts.feed(actor, s.incarnation, items):
+            _inc(self.counters[name], labels, delta)
+        for spec in _specs("rollout", kind=GAUGE):
+            if spec.name not in self.MEANS:
+                for labels, v in _values(spec, s, (actor,)):
+                    self.gauges[spec.name].set(v, *labels)
         self._means(s, actor)
-        if _num(s.get("running")) is not None:
-            self.running.set(float(s["running"]), actor)
-        if _num(s.get("version")) is not None:
-            self.version.set(float(s["version"]), actor)
-        last_v = self._last_update_version.get(actor)
-        for rec in s.get("weight_updates") or ():
-            v = _num(rec.get("version"))
-            if v is None or (last_v is not None and v <= last_v):
-                continue
-            if _num(rec.get("seconds")) is not None:
-                self.update_seconds.labels(actor).observe(float(rec["seconds"]))
-            if _num(rec.get("pause_seconds")) is not None:
-                self.pause_seconds.labels(actor).observe(float(rec["pause_seconds"]))
-            last_v = int(v)
-        if last_v is not None:
-            self._last_update_version[actor] = last_v
+        incarnation, last_v = self._last_update.get(actor, (s.incarnation, -1))
+        if incarnation != s.incarnation:
+            last_v = -1
+        for rec in s.weight_updates:
+            if rec.version > last_v:
+                for name, attr in self.WEIGHT_UPDATES.items():
+                    self.histograms[name].labels(actor).observe(getattr(rec, attr))
+                last_v = rec.version
+        self._last_update[actor] = (s.incarnation, last_v)
 
-    def _means(self, s: Mapping[str, Any], actor: str) -> None:
-        """Means of the episodes finished since the last update: reward, exact match, each reward term. The sums
-        are not counters (a reward may be negative), so they are differenced here, restarting with ``finished``."""
-        finished = _num(s.get("finished"))
-        if finished is None:
-            return
-        components = {str(k): _num(v) for k, v in (s.get("reward_component_sums") or {}).items()}
-        em = _num(s.get("exact_match_sum"))
-        sums = {"reward": _num(s.get("reward_sum")),
-                "exact_match": em if em is not None else components.get("exact_match"),
-                **{f"component:{k}": v for k, v in components.items()}}
-        last = self._sums.get(actor) or {"finished": 0.0}
-        n = finished - (last["finished"] or 0.0)
+    def _means(self, s: RolloutStats, actor: str) -> None:
+        """Means of the episodes finished since the last update. The sums are not counters (a reward may be
+        negative), so they are differenced here, starting again with a new incarnation."""
+        sums = {(spec.name, *labels): v for spec in (SPECS[n] for n in self.MEANS)
+                for labels, v in _values(spec, s, (actor,))}
+        incarnation, finished, last = self._sums.get(actor, (s.incarnation, 0.0, {}))
+        if incarnation != s.incarnation:
+            finished, last = 0.0, {}
+        n = s.finished - finished
         if n > 0:
-            for key, total in sums.items():
-                if total is None:
-                    continue
-                mean = (total - (last.get(key) or 0.0)) / n
-                if key == "reward":
-                    self.reward_mean.set(mean, actor)
-                elif key == "exact_match":
-                    self.exact_match_mean.set(mean, actor)
-                else:
-                    self.component_mean.set(mean, actor, key[len("component:"):])
-        if n > 0 or actor not in self._sums:
-            self._sums[actor] = {"finished": finished, **sums}
+            for (name, *labels), total in sums.items():
+                self.gauges[name].set((total - last.get((name, *labels), 0.0)) / n, *labels)
+        if n > 0 or actor not in self._sums or incarnation != s.incarnation:
+            self._sums[actor] = (s.incarnation, float(s.finished), sums)
 
 
 class BufferMetrics:
-    """Replay buffer and admission metrics from ``BufferActor.stats()`` (``ReplayBuffer.stats()`` plus
-    ``admission``: ``AdmissionState.counters()``)."""
-
-    GAUGES = {
-        "size": BUFFER_TRAJECTORIES,
-        "tokens": BUFFER_TOKENS,
-        "bytes": BUFFER_BYTES,
-        "capacity_trajectories": BUFFER_CAPACITY_TRAJECTORIES,
-        "capacity_tokens": BUFFER_CAPACITY_TOKENS,
-        "ready_groups": BUFFER_READY_GROUPS,
-        "pending_groups": BUFFER_PENDING_GROUPS,
-        "oldest_age_s": BUFFER_OLDEST_AGE,
-        "learner_version": BUFFER_LEARNER_VERSION,
-    }
-    TOTALS = {
-        "pushed": (BUFFER_PUSHED, ()),
-        "sampled": (BUFFER_SAMPLED, ()),
-        "push_refused": (BUFFER_PUSH_REFUSED, ()),
-        "rejected": (BUFFER_REJECTED, ()),
-        "groups_released_short": (BUFFER_GROUPS_RELEASED, ("short",)),
-        "groups_released_partial": (BUFFER_GROUPS_RELEASED, ("partial",)),
-        "groups_overdue": (BUFFER_GROUPS_OVERDUE, ()),
-    }
-    ADMISSION_TOTALS = {
-        "started": ADMISSION_STARTED,
-        "accepted": ADMISSION_ACCEPTED,
-        "rejected": ADMISSION_REJECTED,
-        "evicted": ADMISSION_EVICTED,
-    }
+    """Replay buffer and admission metrics from ``BufferStats`` (``BufferActor.stats()``; its ``admission``
+    feeds the admission metrics): each metric reads the field its spec names."""
 
     def __init__(self, registry: CollectorRegistry):
-        names = {n for n, _ in self.TOTALS.values()} | {BUFFER_EVICTED, *self.ADMISSION_TOTALS.values()}
-        self.counters = {n: _counter(registry, n) for n in sorted(names)}
-        self.gauges = {n: _gauges(registry, n) for n in [*self.GAUGES.values(), ADMISSION_RUNNING]}
+        specs = _specs("buffer", "admission")
+        self.counters = {s.name: _counter(registry, s.name) for s in specs if s.kind == COUNTER}
+        self.gauges = {s.name: _gauges(registry, s.name) for s in specs if s.kind == GAUGE}
         self.staleness = _CountHistogram(SPECS[BUFFER_CONSUMED_STALENESS], registry)
-        self._totals = _Totals()
+        self._counts = _CounterFeed()
         self._lock = threading.Lock()
 
-    def update(self, stats: Mapping[str, Any]) -> None:
+    def update(self, stats: BufferStats) -> None:
         with self._lock:
             self._update(stats)
 
-    def _update(self, s: Mapping[str, Any]) -> None:
-        for key, name in self.GAUGES.items():
-            v = _num(s.get(key))
-            if v is not None:
-                self.gauges[name].set(v)
-        adm = s.get("admission") or {}
-        items: list[tuple[str, tuple[str, ...], Any]] = [
-            *((name, labels, s.get(key)) for key, (name, labels) in self.TOTALS.items()),
-            *((BUFFER_EVICTED, (str(r),), t) for r, t in (s.get("evicted") or {}).items()),
-            *((name, (), adm.get(key)) for key, name in self.ADMISSION_TOTALS.items()),
-            # the staleness histogram: per staleness value, trajectories consumed so far
-            *((BUFFER_CONSUMED_STALENESS, (str(int(k)),), t) for k, t in (s.get("staleness_histogram") or {}).items()),
-        ]
-        items = [(n, labels, _num(t)) for n, labels, t in items if _num(t) is not None]
-        deltas, _ = self._totals.advance("buffer", [((n, *labels), t) for n, labels, t in items])
-        for (name, labels, _), d in zip(items, deltas):
-            if name == BUFFER_CONSUMED_STALENESS:
-                if d > 0:
-                    self.staleness.add(int(labels[0]), int(d))
-                continue
-            child = self.counters[name].labels(*labels) if labels else self.counters[name]
-            if d > 0:
-                child.inc(d)
-        if _num(adm.get("running")) is not None:
-            self.gauges[ADMISSION_RUNNING].set(float(adm["running"]))
+    def _update(self, s: BufferStats) -> None:
+        def message(spec: MetricSpec) -> Any:
+            return s.admission if spec.source is AdmissionStats else s
+
+        items = []
+        for spec in _specs("buffer", "admission"):
+            for labels, v in _values(spec, message(spec), ()):
+                if spec.kind == GAUGE:
+                    self.gauges[spec.name].set(v, *labels)
+                else:
+                    items.append((spec.name, labels, v))
+        for name, labels, delta in self._counts.feed("buffer", s.incarnation, items):
+            if name == BUFFER_CONSUMED_STALENESS:  # per staleness value, trajectories consumed so far
+                if delta > 0:
+                    self.staleness.add(int(labels[0]), int(delta))
+            else:
+                _inc(self.counters[name], labels, delta)
 
 
 class LearnerMetrics:
-    """Learner metrics from the dict ``Learner.train_step`` returns (one rank's, typically rank 0's). A step is
-    counted once: a dict whose ``step`` is not past the last one seen only refreshes the gauges."""
-
-    GAUGES = {
-        "step": LEARNER_STEP,
-        "version": LEARNER_VERSION,
-        "tokens_per_s": LEARNER_TOKENS_PER_SECOND,
-        "policy_loss": LEARNER_POLICY_LOSS,
-        "value_loss": LEARNER_VALUE_LOSS,
-        "kl": LEARNER_KL,
-        "approx_kl": LEARNER_APPROX_KL,
-        "behavior_kl": LEARNER_BEHAVIOR_KL,
-        "entropy": LEARNER_ENTROPY,
-        "clip_frac": LEARNER_CLIP_FRACTION,
-        "dual_clip_frac": LEARNER_DUAL_CLIP_FRACTION,
-        "iw_mean": LEARNER_IW_MEAN,
-        "iw_max": LEARNER_IW_MAX,
-        "iw_capped_frac": LEARNER_IW_CAPPED_FRACTION,
-        "grad_norm": LEARNER_GRAD_NORM,
-        "critic_grad_norm": LEARNER_CRITIC_GRAD_NORM,
-        "lr": LEARNER_LR,
-        "staleness_mean": LEARNER_BATCH_STALENESS_MEAN,
-        "staleness_max": LEARNER_BATCH_STALENESS_MAX,
-        "reward_mean": LEARNER_BATCH_REWARD_MEAN,
-        "advantage_mean": LEARNER_ADVANTAGE_MEAN,
-    }
+    """Learner metrics from ``LearnerStats`` (``Learner.train_step``, rank 0's): gauges from the fields their specs
+    name (absent while None); a step is counted once, and a report whose ``step`` is not past the last one seen
+    only refreshes the gauges."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.gauges = {n: _gauges(registry, n) for n in self.GAUGES.values()}
-        self.steps = _counter(registry, LEARNER_STEPS)
-        self.trained_tokens = _counter(registry, LEARNER_TRAINED_TOKENS)
-        self.loss_tokens = _counter(registry, LEARNER_LOSS_TOKENS)
-        self.step_seconds = _histogram(registry, LEARNER_STEP_SECONDS)
-        self._last_step: Optional[float] = None
+        self.gauges = {s.name: _gauges(registry, s.name) for s in _specs("learner", kind=GAUGE)}
+        self.counters = {s.name: _counter(registry, s.name) for s in _specs("learner", kind=COUNTER)}
+        self.histograms = {s.name: _histogram(registry, s.name) for s in _specs("learner", kind=HISTOGRAM)}
+        self._last_step: Optional[int] = None
         self._lock = threading.Lock()
 
-    def update(self, m: Mapping[str, Any]) -> None:
+    def update(self, m: LearnerStats) -> None:
         with self._lock:
-            for key, name in self.GAUGES.items():
-                v = _num(m.get(key))
-                if v is not None:
-                    self.gauges[name].set(v)
-            step = _num(m.get("step"))
-            if step is not None and self._last_step is not None and step <= self._last_step:
+            for spec in _specs("learner", kind=GAUGE):
+                for labels, v in _values(spec, m):
+                    self.gauges[spec.name].set(v, *labels)
+            if self._last_step is not None and m.step <= self._last_step:
                 return  # seen already (or a restart replaying old steps): gauges refreshed, no event
-            if step is not None:
-                self._last_step = step
-            self.steps.inc()
-            t, tps, lt = _num(m.get("step_time_s")), _num(m.get("tokens_per_s")), _num(m.get("loss_tokens"))
-            if t is not None:
-                self.step_seconds.observe(t)
-                if tps is not None and tps >= 0:
-                    self.trained_tokens.inc(tps * t)
-            if lt is not None and lt >= 0:
-                self.loss_tokens.inc(lt)
+            self._last_step = m.step
+            for spec in _specs("learner", kind=COUNTER):
+                if spec.name == LEARNER_STEPS:
+                    self.counters[spec.name].inc()
+                    continue
+                for _, v in _values(spec, m):
+                    if v >= 0:
+                        self.counters[spec.name].inc(v)
+            for spec in _specs("learner", kind=HISTOGRAM):
+                for _, v in _values(spec, m):
+                    self.histograms[spec.name].observe(v)
 
 
 class DriverMetrics:
-    """The driver's own metrics: publishes (``PublishStats.as_metrics()``), the policy version, and fault
-    accounting (``update({"lost_episodes": total, "actor_restarts": {actor: total}})``)."""
+    """The driver's own metrics: publishes (``PublishStats``; the same version twice is observed once) and fault
+    accounting (``DriverStats``)."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.version = _gauges(registry, DRIVER_POLICY_VERSION)
-        self.publish_seconds = _histogram(registry, WEIGHT_PUBLISH_SECONDS)
-        self.publish_put_seconds = _histogram(registry, WEIGHT_PUBLISH_PUT_SECONDS)
-        self.publish_bytes = _gauges(registry, WEIGHT_PUBLISH_BYTES)
-        self.lost = _counter(registry, DRIVER_LOST_EPISODES)
-        self.restarts = _counter(registry, DRIVER_ACTOR_RESTARTS)
-        self._totals = _Totals()
-        self._last_publish: Optional[float] = None
+        self.gauges = {s.name: _gauges(registry, s.name) for s in _specs("driver", kind=GAUGE, source=PublishStats)}
+        self.histograms = {s.name: _histogram(registry, s.name)
+                           for s in _specs("driver", kind=HISTOGRAM, source=PublishStats)}
+        self.counters = {s.name: _counter(registry, s.name) for s in _specs("driver", source=DriverStats)}
+        self._counts = _CounterFeed()
+        self._last_publish: Optional[int] = None
         self._lock = threading.Lock()
 
     def set_version(self, version: int) -> None:
-        self.version.set(float(version))
+        self.gauges[DRIVER_POLICY_VERSION].set(float(version))
 
-    def observe_publish(self, m: Mapping[str, Any]) -> None:
-        """One publish: keys ``publish_latency_s``, ``publish_put_s``, ``publish_bytes``, ``publish_version``
-        (``PublishStats.as_metrics()``). The same version twice is observed once."""
+    def observe_publish(self, p: PublishStats) -> None:
         with self._lock:
-            v = _num(m.get("publish_version"))
-            if v is not None:
-                if self._last_publish is not None and v <= self._last_publish:
-                    return
-                self._last_publish = v
-                self.version.set(v)
-            if _num(m.get("publish_latency_s")) is not None:
-                self.publish_seconds.observe(float(m["publish_latency_s"]))
-            if _num(m.get("publish_put_s")) is not None:
-                self.publish_put_seconds.observe(float(m["publish_put_s"]))
-            if _num(m.get("publish_bytes")) is not None:
-                self.publish_bytes.set(float(m["publish_bytes"]))
+            if self._last_publish is not None and p.version <= self._last_publish:
+                return
+            self._last_publish = p.version
+            for spec in _specs("driver", source=PublishStats):
+                for labels, v in _values(spec, p):
+                    if spec.kind == GAUGE:
+                        self.gauges[spec.name].set(v, *labels)
+                    else:
+                        self.histograms[spec.name].observe(v)
 
-    def update(self, m: Mapping[str, Any]) -> None:
+    def update(self, d: DriverStats) -> None:
         with self._lock:
-            if _num(m.get("policy_version")) is not None:
-                self.version.set(float(m["policy_version"]))
-            items = [((DRIVER_LOST_EPISODES,), _num(m.get("lost_episodes")))]
-            items += [((DRIVER_ACTOR_RESTARTS, str(a)), _num(t)) for a, t in (m.get("actor_restarts") or {}).items()]
-            items = [(k, t) for k, t in items if t is not None]
-            deltas, _ = self._totals.advance("driver", items)
-            for (key, _), d in zip(items, deltas):
-                child = self.lost if key[0] == DRIVER_LOST_EPISODES else self.restarts.labels(key[1])
-                if d > 0:
-                    child.inc(d)
+            items = [(spec.name, labels, v) for spec in _specs("driver", source=DriverStats)
+                     for labels, v in _values(spec, d)]
+            for name, labels, delta in self._counts.feed("driver", "", items):
+                _inc(self.counters[name], labels, delta)
 
 
 class EvalMetrics:
     """Evaluation results: ``update(score_episodes(...), split="heldout", step=learner_step)``; the score dict
-    maps data source (and ``all``) to ``{"n", "exact_match", "f1", "searches_per_question", "turns_per_question"}``.
-    """
-
-    KEYS = {
-        "exact_match": EVAL_EXACT_MATCH,
-        "f1": EVAL_F1,
-        "searches_per_question": EVAL_SEARCHES,
-        "turns_per_question": EVAL_TURNS,
-        "n": EVAL_QUESTIONS,
-    }
+    maps data source (and ``all``) to the fields of ``EvalScore``."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.gauges = {n: _gauges(registry, n) for n in self.KEYS.values()}
+        self.gauges = {s.name: _gauges(registry, s.name) for s in _specs("eval", source=EvalScore)}
         self.step = _gauges(registry, EVAL_STEP)
 
     def update(self, scores: Mapping[str, Mapping[str, Any]], split: str = "heldout",
                step: Optional[int] = None) -> None:
         for source, summary in scores.items():
-            for key, name in self.KEYS.items():
-                v = _num(summary.get(key))
+            for spec in _specs("eval", source=EvalScore):
+                v = _num(summary.get(spec.field))
                 if v is not None:
-                    self.gauges[name].set(v, split, str(source))
+                    self.gauges[spec.name].set(v, split, str(source))
         if step is not None:
             self.step.set(float(step), split)
 
 
 class LearningMetrics:
-    """The driver's per-step learning signals (``Trainer``'s ``learning`` record): ``zero_variance_share`` and
-    ``by_kind`` ``{kind: {"reward", "exact_match", "searches"}}`` over the episodes finished since the last step."""
+    """The driver's per-step learning signals (``LearningStats``): ``zero_variance_share`` and, per question kind,
+    the mean ``reward``, ``exact_match`` and ``searches`` of the episodes finished since the last step."""
 
-    KIND_KEYS = {"reward": LEARNING_REWARD_BY_KIND, "exact_match": LEARNING_EXACT_MATCH_BY_KIND,
-                 "searches": LEARNING_SEARCHES_BY_KIND}
+    KIND_KEYS = {LEARNING_REWARD_BY_KIND: "reward", LEARNING_EXACT_MATCH_BY_KIND: "exact_match",
+                 LEARNING_SEARCHES_BY_KIND: "searches"}
 
     def __init__(self, registry: CollectorRegistry):
-        self.zero_variance = _gauges(registry, LEARNING_ZERO_VARIANCE_SHARE)
-        self.by_kind = {n: _gauges(registry, n) for n in self.KIND_KEYS.values()}
+        self.gauges = {s.name: _gauges(registry, s.name) for s in _specs("driver", source=LearningStats)}
 
-    def update(self, m: Mapping[str, Any]) -> None:
-        if _num(m.get("zero_variance_share")) is not None:
-            self.zero_variance.set(float(m["zero_variance_share"]))
-        for kind, values in (m.get("by_kind") or {}).items():
-            for key, name in self.KIND_KEYS.items():
-                if _num(values.get(key)) is not None:
-                    self.by_kind[name].set(float(values[key]), str(kind))
+    def update(self, m: LearningStats) -> None:
+        for spec in _specs("driver", source=LearningStats):
+            if spec.name in self.KIND_KEYS:
+                for kind, values in getattr(m, spec.field).items():
+                    v = _num(values.get(self.KIND_KEYS[spec.name]))
+                    if v is not None:
+                        self.gauges[spec.name].set(v, str(kind))
+            else:
+                for labels, v in _values(spec, m):
+                    self.gauges[spec.name].set(v, *labels)
 
 
 UPDATERS = (RolloutMetrics, BufferMetrics, LearnerMetrics, DriverMetrics, EvalMetrics, LearningMetrics)
@@ -758,12 +657,12 @@ def render_markdown(specs: Iterable[MetricSpec] = ()) -> str:
     """``docs/METRICS.md``: one table per component (name, type, labels, meaning)."""
     specs = list(specs) or list(SPECS.values())
     titles = {
-        "rollout": "Rollout actors (`RolloutMetrics`, from `RolloutActor.stats()`)",
-        "search": "Search client in each rollout actor (`RolloutMetrics`, from `stats()['search']`)",
-        "buffer": "Replay buffer (`BufferMetrics`, from `BufferActor.stats()`)",
-        "admission": "Admission control in the buffer actor (`BufferMetrics`, from `stats()['admission']`)",
-        "learner": "Learner (`LearnerMetrics`, from the `train_step` metrics dict)",
-        "driver": "Driver and weight sync (`DriverMetrics`)",
+        "rollout": "Rollout actors (`RolloutMetrics`, from `RolloutActor.stats()`: `RolloutStats`)",
+        "search": "Search client in each rollout actor (`RolloutMetrics`, from `RolloutStats.search`)",
+        "buffer": "Replay buffer (`BufferMetrics`, from `BufferActor.stats()`: `BufferStats`)",
+        "admission": "Admission control in the buffer actor (`BufferMetrics`, from `BufferStats.admission`)",
+        "learner": "Learner (`LearnerMetrics`, from `train_step`: `LearnerStats`)",
+        "driver": "Driver, weight sync and learning signals (`DriverMetrics`, `LearningMetrics`)",
         "eval": "Evaluation (`EvalMetrics`, from `score_episodes`)",
     }
     out = [
@@ -782,8 +681,9 @@ def render_markdown(specs: Iterable[MetricSpec] = ()) -> str:
         "",
         "## Exporting and watching",
         "",
-        "Components keep plain totals in their `stats()` dicts; the updaters of `monitoring.metrics` turn them into",
-        "metrics in whichever process holds the registry (one registry per process). The driver's side in one call:",
+        "Components report typed stats messages (`async_agent_rl/stats.py`); every metric is fed from one field of",
+        "one message (the spec names it), and the updaters of `monitoring.metrics` turn the messages into metrics in",
+        "whichever process holds the registry (one registry per process). The driver's side in one call:",
         "",
         "```python",
         "from monitoring.exporter import RunMonitoring",
@@ -791,7 +691,7 @@ def render_markdown(specs: Iterable[MetricSpec] = ()) -> str:
         "mon.set_targets(\"retriever\", [\"127.0.0.1:PORT\"])       # the retrieval server's own /metrics",
         "mon.poll(lambda: mon.observe(rollout=[...each RolloutActor.stats()...],",
         "                             buffer=buffer_actor_stats), every_s=cfg.monitoring.log_every_s)",
-        "mon.observe(learner=train_step_metrics, publish=publish_stats.as_metrics())  # each step",
+        "mon.observe(learner=learner_stats, publish=publish_stats)  # each step",
         "mon.eval.update(scores, split=\"heldout\", step=step)      # score_episodes(...) of each evaluation",
         "mon.close()",
         "```",
@@ -801,18 +701,18 @@ def render_markdown(specs: Iterable[MetricSpec] = ()) -> str:
         "with that Prometheus as `DS_PROMETHEUS`. `monitoring.prom.check_dashboard` runs every panel's query through",
         "a Prometheus and lists those without data.",
         "",
-        "Optional rollout keys: `RolloutMetrics` also reads `turns` (total over finished episodes) when the rollout",
-        "stats carry it. Train exact match comes from `reward_component_sums['exact_match']` (an `exact_match`",
-        "reward term, as in the default config) or an `exact_match_sum` total.",
+        "Train exact match comes from `RolloutStats.reward_component_sums['exact_match']` (an `exact_match` reward",
+        "term, as in the default config).",
     ]
     for comp in COMPONENTS:
         rows = [s for s in specs if s.component == comp]
         if not rows:
             continue
-        out += ["", f"## {titles[comp]}", "", "| name | type | labels | meaning |", "|---|---|---|---|"]
+        out += ["", f"## {titles[comp]}", "", "| name | type | labels | fed from | meaning |", "|---|---|---|---|---|"]
         for s in rows:
             labels = ", ".join(f"`{label}`" for label in s.labels) or "-"
-            out.append(f"| `{s.name}` | {s.kind} | {labels} | {s.help.replace('|', '/')} |")
+            out.append(f"| `{s.name}` | {s.kind} | {labels} | `{s.source.__name__}.{s.field}` | "
+                       f"{s.help.replace('|', '/')} |")
     out += ["", "## Buckets", "",
             f"- weight reload and publish seconds: {list(WEIGHT_SECONDS_BUCKETS)}",
             f"- learner step seconds: {list(STEP_SECONDS_BUCKETS)}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 
@@ -12,6 +13,7 @@ import ray
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
+from async_agent_rl.stats import AdmissionStats, BufferStats
 from buffer.actor import create_buffer_actor, push_all, push_all_async
 from buffer.replay_buffer import EVICT_STALE, SnapshotError
 
@@ -62,10 +64,10 @@ class Producer:
     async def run(self, buffer, name: str, groups: int) -> list[str]:
         pushed: list[str] = []
         for g in range(groups):
-            version = (await buffer.stats.remote())["learner_version"]
+            version = (await buffer.stats.remote()).learner_version
             while await buffer.try_start.remote(GROUP, version) == 0:
                 await asyncio.sleep(0.005)
-                version = (await buffer.stats.remote())["learner_version"]
+                version = (await buffer.stats.remote()).learner_version
             gid = f"{name}-{g}"
             members = list(range(GROUP))
             if g % 5 == 4:  # the producer throws one episode away
@@ -77,7 +79,7 @@ class Producer:
 
 
 def test_concurrent_producers_and_a_learner_lose_nothing():
-    buffer = create_buffer_actor(config(capacity_trajectories=24))
+    buffer = create_buffer_actor(config(capacity_trajectories=24), pad_id=0)
     # a straggler: admitted at version 0, it finishes only once the learner has moved past eta
     assert ray.get(buffer.try_start.remote(GROUP, 0)) == GROUP
     straggler = [episode("late", m, 0) for m in range(GROUP)]
@@ -110,34 +112,50 @@ def test_concurrent_producers_and_a_learner_lose_nothing():
     pushed = [tid for ids in ray.get(runs) for tid in ids] + [f"late/{m}" for m in range(GROUP)]
     stats = ray.get(buffer.stats.remote())
     assert len(sampled) == len(set(sampled)) and set(sampled) <= set(pushed)
-    assert len(pushed) == stats["pushed"] == len(sampled) + stats["evicted_total"] + stats["size"]
-    assert stats["size"] == 0
-    assert stats["evicted"][EVICT_STALE] >= GROUP and not any(t.startswith("late/") for t in sampled)
-    assert max(stats["staleness_histogram"]) <= ETA
-    assert stats["admission"]["running"] == 0
-    assert stats["admission"]["accepted"] - stats["admission"]["evicted"] == len(sampled)
-    assert stats["rejected"] == stats["admission"]["rejected"] == 6  # groups 4 and 9 of three producers
+    assert len(pushed) == stats.pushed == len(sampled) + stats.evicted_total + stats.size
+    assert stats.size == 0
+    assert stats.evicted[EVICT_STALE] >= GROUP and not any(t.startswith("late/") for t in sampled)
+    assert max(stats.staleness_histogram) <= ETA
+    assert stats.admission.running == 0
+    assert stats.admission.accepted - stats.admission.evicted == len(sampled)
+    assert stats.rejected == stats.admission.rejected == 6  # groups 4 and 9 of three producers
     for p in producers:
         ray.kill(p)
     ray.kill(buffer)
 
 
 def test_backpressure_through_the_actor_and_a_packed_batch():
-    buffer = create_buffer_actor(config(capacity_trajectories=8))
+    buffer = create_buffer_actor(config(capacity_trajectories=8), pad_id=0)
     assert ray.get(buffer.try_start.remote(12, 0)) == 12
     blobs = [episode(f"g{g}", m, 0) for g in range(3) for m in range(GROUP)]
     first = ray.get(buffer.push_many.remote(blobs))
     assert (first.accepted, first.full) == (8, True)
-    batch = ray.get(buffer.sample_batch.remote(BATCH, 0, pad_id=0))
+    batch = ray.get(buffer.sample_batch.remote(0))
     assert isinstance(batch, TrainBatch) and batch.input_ids.shape == (8, 10)
     assert batch.group_index.tolist() == [0] * 4 + [1] * 4
     assert push_all(buffer, blobs[first.accepted :], poll_s=0.005, timeout_s=10) == 0
-    assert ray.get(buffer.stats.remote())["size"] == 4
+    assert ray.get(buffer.stats.remote()).size == 4
+    ray.kill(buffer)
+
+
+def test_sample_batch_waits_for_a_batch_while_the_actor_serves_other_calls():
+    buffer = create_buffer_actor(config(), pad_id=0)
+    t0 = time.monotonic()
+    assert ray.get(buffer.sample_batch.remote(0, 0.5)) is None  # nothing to sample: None once the timeout is over
+    assert time.monotonic() - t0 >= 0.5
+    waiting = buffer.sample_batch.remote(0, 60.0)
+    assert ray.get(buffer.try_start.remote(BATCH, 0), timeout=10) == BATCH  # served while sample_batch waits
+    ray.get(buffer.push_many.remote([episode("a", m, 0) for m in range(GROUP)]), timeout=10)
+    assert not ray.wait([waiting], timeout=0.5)[0]  # one group of the two: still waiting
+    t1 = time.monotonic()
+    ray.get(buffer.push_many.remote([episode("b", m, 0) for m in range(GROUP)]), timeout=10)
+    batch = ray.get(waiting, timeout=30)
+    assert isinstance(batch, TrainBatch) and batch.batch_size == BATCH and time.monotonic() - t1 < 10
     ray.kill(buffer)
 
 
 def test_snapshot_round_trip_and_corrupt_snapshot_refused(tmp_path):
-    buffer = create_buffer_actor(config(snapshot_dir=str(tmp_path)))
+    buffer = create_buffer_actor(config(snapshot_dir=str(tmp_path)), pad_id=0)
     ray.get(buffer.try_start.remote(8, 0))
     ray.get(buffer.push_many.remote([episode("a", m, 0) for m in range(GROUP)] + [episode("b", 0, 0)]))
     path = ray.get(buffer.snapshot.remote())
@@ -145,13 +163,14 @@ def test_snapshot_round_trip_and_corrupt_snapshot_refused(tmp_path):
     before = ray.get(buffer.stats.remote())
     ray.kill(buffer)
 
-    resumed = create_buffer_actor(config(snapshot_dir=str(tmp_path)))
+    resumed = create_buffer_actor(config(snapshot_dir=str(tmp_path)), pad_id=0)
     after = ray.get(resumed.restore.remote())
-    assert {k: v for k, v in after.items() if k not in ("admission", "oldest_age_s")} == {
-        k: v for k, v in before.items() if k not in ("admission", "oldest_age_s")
-    }
+    def held(s: BufferStats) -> BufferStats:  # what the snapshot keeps
+        return dataclasses.replace(s, admission=AdmissionStats(), oldest_age_s=0.0, incarnation="")
+
+    assert held(after) == held(before) and after.incarnation != before.incarnation
     # the 3 episodes of group "b" still running at snapshot time did not survive the restart
-    assert after["admission"] == {**before["admission"], "rejected": 3, "running": 0}
+    assert after.admission == dataclasses.replace(before.admission, rejected=3, running=0)
     assert [Trajectory.decode(b).meta.trajectory_id for b in ray.get(resumed.sample.remote(GROUP, 0))] == [
         f"a/{m}" for m in range(GROUP)
     ]

@@ -9,6 +9,7 @@ always runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import urllib.error
@@ -24,6 +25,7 @@ from actors.search_client import SearchClient
 from async_agent_rl.config import BufferConfig, MonitoringConfig, RetrieverConfig, SearchClientConfig
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.staleness import AdmissionState
+from async_agent_rl.stats import LearnerStats, PublishStats, RolloutStats, WeightUpdate
 from buffer.replay_buffer import ReplayBuffer
 from driver.train import LearningSignals
 from monitoring import metrics as M
@@ -53,7 +55,7 @@ def fetch(url: str) -> str:
 def test_exporter_serves_its_registry_over_loopback_http():
     reg = M.new_registry()
     learner = M.LearnerMetrics(reg)
-    learner.update({"step": 3.0, "policy_loss": 0.25, "step_time_s": 1.5, "tokens_per_s": 10.0})
+    learner.update(LearnerStats(step=3, policy_loss=0.25, step_time_s=1.5, tokens_per_s=10.0))
     with start_exporter(reg) as exp:
         assert exp.host == "127.0.0.1" and exp.port > 0 and exp.target == f"127.0.0.1:{exp.port}"
         text = fetch(exp.url)
@@ -61,7 +63,7 @@ def test_exporter_serves_its_registry_over_loopback_http():
         assert samples[M.LEARNER_STEP] == 3.0
         assert samples[M.LEARNER_POLICY_LOSS] == 0.25
         assert samples[M.LEARNER_STEPS] == 1.0
-        learner.update({"step": 4.0, "policy_loss": 0.5})
+        learner.update(LearnerStats(step=4, policy_loss=0.5))
         assert f"{M.LEARNER_POLICY_LOSS} 0.5" in fetch(exp.url)  # served live, not a snapshot
         url = exp.url
     with pytest.raises(urllib.error.URLError):  # closed: the port is free again
@@ -84,7 +86,7 @@ def test_run_monitoring_from_config_polls_and_serves(tmp_path):
             calls.append(len(calls))
             if len(calls) == 2:
                 raise RuntimeError("an actor is restarting")  # logged; polling goes on
-            mon.observe(rollout=[{"index": 0, "finished": 2 * len(calls), "elapsed_s": float(len(calls))}])
+            mon.observe(rollout=[RolloutStats(index=0, incarnation="a", finished=2 * len(calls))])
 
         mon.poll(fetch_stats, every_s=0.05)
         deadline = time.monotonic() + 10
@@ -115,13 +117,13 @@ def prom(tmp_path):
 def test_prometheus_scrapes_an_exporter_found_through_file_sd(prom):
     reg = M.new_registry()
     learner = M.LearnerMetrics(reg)
-    learner.update({"step": 7.0, "policy_loss": 0.125})
+    learner.update(LearnerStats(step=7, policy_loss=0.125))
     with start_exporter(reg) as exp:
         write_sd_file(prom.sd_file, {"learner": [exp.target]})
         got = wait_for(prom.url, f'{M.LEARNER_STEP}{{job="learner"}}', timeout_s=30)
         assert values(got) == [7.0]
         assert got[0]["metric"]["instance"] == exp.target
-        learner.update({"step": 8.0})
+        learner.update(LearnerStats(step=8))
         wait_for(prom.url, M.LEARNER_STEP, lambda r: values(r) == [8.0], timeout_s=15)
         assert values(query(prom.url, M.LEARNER_POLICY_LOSS)) == [0.125]
 
@@ -184,7 +186,6 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
     buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=64), 2, on_evict=adm.on_evicted)
     u["eval"].update({"all": {"n": 20, "exact_match": 0.1, "f1": 0.2, "searches_per_question": 1.0,
                               "turns_per_question": 2.0}}, split="heldout", step=0)
-    turns = {0: 0, 1: 0}
     version = 0
     signals = LearningSignals()
     async with SearchClient(search_url, SearchClientConfig(timeout_s=5.0)) as client:
@@ -197,11 +198,8 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
                 ws.pushed += 4
                 for member in range(4):  # finished episodes of both question kinds, as the episode loop adds them
                     ws.add_finished(finished_episode(tick, i, member))
-                turns[i] += 8
-                stats = {**ws.as_dict(), "index": i, "version": version, "search": client.counters(),
-                         "weight_updates": [{"version": version, "seconds": 0.05, "pause_seconds": 0.01}],
-                         "turns": turns[i]}
-                rollout.append(stats)
+                rollout.append(ws.message(index=i, version=version, search=client.stats(), ready=True,
+                                          weight_updates=[WeightUpdate(version, seconds=0.05, pause_seconds=0.01)]))
             learner = publish = None
             adm.try_start(2, version)
             buf.push([trajectory(f"g{tick}", 0, version), trajectory(f"g{tick}", 1, version)])
@@ -209,18 +207,17 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
             if tick % 2:
                 buf.sample(4, learner_version=version + 1)
                 version += 1
-                learner = ({"step": float(version), "version": float(version), "policy_loss": 0.1,
-                                     "entropy": 1.5, "approx_kl": 0.01, "behavior_kl": 0.002, "iw_mean": 1.0,
-                                     "iw_max": 1.4, "iw_capped_frac": 0.0, "clip_frac": 0.03, "grad_norm": 0.8,
-                                     "lr": 1e-4, "staleness_mean": 0.5, "staleness_max": 1.0, "reward_mean": 0.5,
-                                     "advantage_mean": 0.0, "loss_tokens": 200.0, "step_time_s": 0.5,
-                                     "tokens_per_s": 800.0})
-                publish = {"publish_latency_s": 0.08, "publish_put_s": 0.02, "publish_bytes": 1e6,
-                           "publish_version": float(version)}
-            mon.observe(rollout=rollout, buffer={**buf.stats(), "admission": adm.counters()}, learner=learner,
-                        publish=publish)
+                learner = LearnerStats(step=version, version=version, policy_loss=0.1, entropy=1.5, approx_kl=0.01,
+                                       behavior_kl=0.002, iw_mean=1.0, iw_max=1.4, iw_capped_frac=0.0,
+                                       clip_frac=0.03, grad_norm=0.8, lr=1e-4, staleness_mean=0.5, staleness_max=1.0,
+                                       reward_mean=0.5, advantage_mean=0.0, loss_tokens=200.0, step_time_s=0.5,
+                                       tokens_per_s=800.0)
+                publish = PublishStats(version=version, method="object_store", seconds=0.08, put_seconds=0.02,
+                                       bytes=10**6, num_actors=2)
+            buffer = dataclasses.replace(buf.stats(), admission=adm.stats())
+            mon.observe(rollout=rollout, buffer=buffer, learner=learner, publish=publish)
             if learner:  # the driver's per-step learning signals, from the same totals
-                mon.learning.update(signals.update(rollout, buf.stats(), learner))
+                mon.learning.update(signals.update(rollout, buffer, learner))
             await asyncio.sleep(0.25)
 
 

@@ -103,7 +103,7 @@ def test_lr_schedule_and_gradient_clipping_reach_the_optimizer(tiny_model_dir, h
     learner = make_learner(tiny_model_dir, learner={"warmup_steps": 2, "total_steps": 4, "lr_schedule": "linear",
                                                     "grad_clip": 1e-12})
     before = learner.state_dict_for_publish()
-    lrs = [learner.train_step(batch)["lr"] for _ in range(4)]
+    lrs = [learner.train_step(batch).lr for _ in range(4)]
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
     assert learner.policy.engine.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
     after = learner.state_dict_for_publish()
@@ -117,12 +117,12 @@ def test_proximal_pass_reproduces_the_sampling_policy_and_staleness_is_measured(
     learner = make_learner(tiny_model_dir, rollout={"temperature": 0.7})
     learner.bump_version(), learner.bump_version()
     m = learner.train_step(batch)
-    assert m["iw_mean"] == pytest.approx(1.0, abs=1e-4)
-    assert m["iw_max"] == pytest.approx(1.0, abs=1e-4)
-    assert m["behavior_kl"] < 1e-6 and m["iw_capped_frac"] == 0.0
-    assert (m["staleness_mean"], m["staleness_max"]) == (pytest.approx(1.0), 2.0)  # 2 - (0, 1, 1, 2)
-    assert m["loss_tokens"] == float(batch.loss_mask.sum())
-    assert (m["step"], m["version"]) == (1.0, 2.0)
+    assert m.iw_mean == pytest.approx(1.0, abs=1e-4)
+    assert m.iw_max == pytest.approx(1.0, abs=1e-4)
+    assert m.behavior_kl < 1e-6 and m.iw_capped_frac == 0.0
+    assert (m.staleness_mean, m.staleness_max) == (pytest.approx(1.0), 2.0)  # 2 - (0, 1, 1, 2)
+    assert m.loss_tokens == float(batch.loss_mask.sum())
+    assert (m.step, m.version) == (1.0, 2.0)
 
 
 @pytest.mark.parametrize("zero_stage,dtype", [(0, "float32"), (3, "bfloat16")])
@@ -141,9 +141,9 @@ def test_steps_raise_the_rewarded_responses(tiny_model_dir, hf_model, zero_stage
     metrics = [learner.train_step(batch) for _ in range(5)]
     after = learner.state_dict_for_publish()
 
-    losses = [m["policy_loss"] for m in metrics]
+    losses = [m.policy_loss for m in metrics]
     assert losses[-1] < losses[0] - 0.05, losses
-    assert all(math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 for m in metrics)
+    assert all(math.isfinite(m.grad_norm) and m.grad_norm > 0 for m in metrics)
     for row, sign in ((0, 1), (1, -1), (2, 1), (3, -1)):
         positions = model_positions(batch, row)
         change = (sequence_logprob(hf_model, after, batch, row, positions)
@@ -155,7 +155,7 @@ def test_steps_raise_the_rewarded_responses(tiny_model_dir, hf_model, zero_stage
     assert all(a.dtype.name == "float32" and a.flags.c_contiguous for a in after.values())
     assert all(after[n].shape == tuple(p.shape) for n, p in hf_model.named_parameters())
     if kl:
-        assert metrics[0]["kl"] < 1e-6 < metrics[-1]["kl"]
+        assert metrics[0].kl < 1e-6 < metrics[-1].kl
 
 
 def test_mask_observations_switch_decides_whether_the_loss_trains_on_observations(tiny_model_dir, hf_model):
@@ -176,7 +176,7 @@ def test_mask_observations_switch_decides_whether_the_loss_trains_on_observation
         after = learner.state_dict_for_publish()
         rise[masked] = (sequence_logprob(hf_model, after, batch, 0, obs)
                         - sequence_logprob(hf_model, before, batch, 0, obs))
-        assert metrics[0]["loss_tokens"] == 5 + (0 if masked else len(obs))
+        assert metrics[0].loss_tokens == 5 + (0 if masked else len(obs))
     assert rise[False] > 1.0 and abs(rise[True]) < 0.25 * rise[False], rise
 
 
@@ -186,9 +186,9 @@ def test_gae_critic_learns_and_plain_ppo_skips_the_proximal_pass(tiny_model_dir,
                            algorithm={"advantage_estimator": "gae", "policy_loss": "ppo", "lam": 0.95})
     assert not learner.needs_proximal
     metrics = [learner.train_step(batch) for _ in range(4)]
-    assert metrics[-1]["value_loss"] < metrics[0]["value_loss"]
-    assert all(m["critic_grad_norm"] > 0 for m in metrics)
-    assert "iw_mean" not in metrics[0]  # behavior-anchored: no proximal policy, no behavior weight
+    assert metrics[-1].value_loss < metrics[0].value_loss
+    assert all(m.critic_grad_norm > 0 for m in metrics)
+    assert metrics[0].iw_mean is None  # behavior-anchored: no proximal policy, no behavior weight
 
 
 def test_a_diverged_step_stops_training_and_nothing_non_finite_is_published_or_saved(tiny_model_dir, hf_model,

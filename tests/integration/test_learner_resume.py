@@ -68,7 +68,7 @@ def test_resumed_learner_continues_where_it_stopped(cfg, tmp_path):
     after_resume = resumed.train_step(b2)
 
     for key in ("policy_loss", "value_loss", "entropy", "grad_norm", "critic_grad_norm", "lr"):
-        assert after_resume[key] == pytest.approx(uninterrupted[key], rel=1e-4, abs=1e-6), key
+        assert getattr(after_resume, key) == pytest.approx(getattr(uninterrupted, key), rel=1e-4, abs=1e-6), key
     resumed_params = resumed.state_dict_for_publish()
     for name, value in uninterrupted_params.items():
         np.testing.assert_allclose(resumed_params[name], value, rtol=0, atol=1e-6, err_msg=name)

@@ -50,7 +50,7 @@ def test_two_ranks_train_identical_parameters(tiny_model_dir):
     group = create_learner_group(build_config(tree))
     assert group.ready() == [0, 1]
     metrics = [group.train_step(batch) for _ in range(3)]
-    assert all(m["grad_norm"] > 0 for m in metrics)
+    assert all(m.grad_norm > 0 for m in metrics)
 
     rank0, rank1 = ray.get([a.state_dict_for_publish.remote() for a in group.actors])
     assert rank1 is None  # only rank 0 hands out the weights

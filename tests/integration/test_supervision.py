@@ -7,17 +7,26 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import ray
 
 from async_agent_rl.config import load_config
+from async_agent_rl.stats import RolloutStats
 from buffer.actor import create_buffer_actor
 from driver.train import Trainer
 from tests.unit.test_replay_buffer import traj
 
 pytestmark = pytest.mark.integration
+
+
+@dataclass
+class StandInStats(RolloutStats):
+    pid: int = 0
+    setups: int = 0
+    began: bool = False  # start() was called
 
 
 class SlowFirstIncarnation:
@@ -39,11 +48,11 @@ class SlowFirstIncarnation:
     def update_weights(self, version, weights) -> dict:
         return {"version": version}
 
-    def stats(self) -> dict:
+    def stats(self) -> StandInStats:
         if self.first and self.setups:
             time.sleep(60)
-        return {"index": self.index, "ready": self.setups > 0, "pid": os.getpid(), "setups": self.setups,
-                "started": self.started}
+        return StandInStats(index=self.index, incarnation=str(os.getpid()), ready=self.setups > 0, pid=os.getpid(),
+                            setups=self.setups, began=self.started)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,7 +68,7 @@ def test_a_slow_actor_is_killed_before_it_is_set_up_again(tmp_path):
                              "learner.mini_batch_size=4", "learner.micro_batch_size=4", "buffer.max_staleness=0"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
     trainer.mon = None
-    trainer.buffer = create_buffer_actor(cfg)
+    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
     actor_cls = ray.remote(num_cpus=0, max_restarts=1)(SlowFirstIncarnation)
     trainer.actors = [actor_cls.remote(0, str(tmp_path / "incarnated"))]
     slow = trainer.actors[0]
@@ -68,11 +77,11 @@ def test_a_slow_actor_is_killed_before_it_is_set_up_again(tmp_path):
     assert ray.get(trainer.buffer.try_start.remote(2, 0, "actor1-g", "actor1")) == 2
 
     stats = trainer.supervise()[0]
-    assert stats["setups"] == 1 and stats["started"], "the new incarnation is set up once and running"
+    assert stats.setups == 1 and stats.began, "the new incarnation is set up once and running"
     assert trainer.restarts == {"actor0": 1} and trainer.lost_episodes == 2
-    assert stats["pid"] != first_pid, "a new process, not the slow one"
+    assert stats.pid != first_pid, "a new process, not the slow one"
     # a push the dead incarnation sent late is dropped; the other actor's pushes are unaffected
     ray.get(trainer.buffer.push_many.remote([traj("actor0-g", 0)]))
     ray.get(trainer.buffer.push_many.remote([traj("actor1-g", 0), traj("actor1-g", 1)]))
     b = ray.get(trainer.buffer.stats.remote())
-    assert b["late_pushes"] == 1 and b["admission"]["running"] == 0 and b["lost_episodes"] == {"actor0": 2}
+    assert b.late_pushes == 1 and b.admission.running == 0 and b.lost_episodes == {"actor0": 2}

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from async_agent_rl.batch import TrainBatch, pack_batch
-from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
+from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan, peek
+from async_agent_rl.staleness import staleness
 
 PAD = 0
 
@@ -95,3 +96,17 @@ def test_to_moves_every_field():
     moved = b.to("cpu")
     assert isinstance(moved, TrainBatch) and moved.input_ids.device.type == "cpu"
     assert torch.equal(moved.group_index, b.group_index) and [m.group_id for m in moved.metas] == ["a", "b", "a"]
+
+
+def test_one_staleness_rule_for_the_record_the_buffer_index_and_the_learner_batch():
+    """A trajectory's oldest generated version is the same from the record, from the buffer's index of its wire
+    bytes and from the packed batch; one with no generated token has OBS_VERSION there and staleness 0 (the learner
+    used to report a huge negative staleness for it)."""
+    nothing = Trajectory(prompt_ids=[1, 2], response_ids=[31, 32], loss_mask=[0, 0], behavior_logprobs=[0.0, 0.0],
+                         versions=[OBS_VERSION] * 2, turns=[TurnSpan("observation", 0, 2)],
+                         meta=EpisodeMeta(group_id="g2"))
+    trajs = [two_turn(), one_turn(), nothing]
+    batch = pack_batch(trajs, PAD)
+    assert batch.min_versions() == [t.min_version for t in trajs] == [peek(t.encode()).min_version for t in trajs]
+    assert batch.min_versions() == [4, 2, OBS_VERSION]
+    assert [staleness(6, v) for v in batch.min_versions()] == [2, 4, 0]

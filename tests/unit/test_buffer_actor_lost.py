@@ -6,7 +6,8 @@ from tests.unit.test_replay_buffer import ids, traj
 
 
 def make() -> BufferActor:
-    return BufferActor(BufferConfig(max_staleness=0), group_size=2, consumed_per_version=4, max_concurrent=64)
+    return BufferActor(BufferConfig(max_staleness=0), group_size=2, consumed_per_version=4, max_concurrent=64,
+                       batch_size=4)
 
 
 def test_actor_lost_frees_slots_and_releases_partial_groups():
@@ -20,10 +21,10 @@ def test_actor_lost_frees_slots_and_releases_partial_groups():
     assert b.actor_lost("actor0") == 3
     assert b.admission.running == 0
     stats = b.stats()
-    assert stats["lost_episodes"] == {"actor0": 3}
+    assert stats.lost_episodes == {"actor0": 3}
     # g1 is released short with the member that arrived, g2 had none and vanishes: nothing waits forever
-    assert stats["groups_released_short"] == 1 and stats["ready_groups"] == 1 and stats["pending_groups"] == 0
-    assert stats["pushed"] == 1 and stats["rejected"] == 3
+    assert stats.groups_released_short == 1 and stats.ready_groups == 1 and stats.pending_groups == 0
+    assert stats.pushed == 1 and stats.rejected == 3
     assert b.actor_lost("actor0") == 0  # nothing left in flight
 
 
@@ -39,7 +40,7 @@ def test_filtered_groups_free_their_admission_slots_and_batches_stay_full():
     """A push that completes a zero-variance group evicts it at once; its members were accepted by that same push,
     so the admission accounting must take them as accepted first and then free their slots for refills."""
     b = BufferActor(BufferConfig(max_staleness=0, group_filter="zero_variance"), group_size=2,
-                    consumed_per_version=4, max_concurrent=64)
+                    consumed_per_version=4, max_concurrent=64, batch_size=4)
     assert b.try_start(2, 0, "dull", "a0") == 2 and b.try_start(2, 0, "good", "a0") == 2
     assert b.try_start(2, 0, "more", "a0") == 0  # capacity (0 + 0 + 1) * 4 reached
     b.push_many([traj("dull", 0, reward=1.0), traj("dull", 1, reward=1.0)])  # filtered on arrival
@@ -49,15 +50,16 @@ def test_filtered_groups_free_their_admission_slots_and_batches_stay_full():
     b.push_many([traj("more", 0, reward=0.0), traj("more", 1, reward=0.5)])
     assert len(b.sample(4, 0)) == 4
     s = b.stats()
-    assert s["evicted"]["filtered_zero_variance"] == 2 and s["admission"]["evicted"] == 2
-    assert s["admission"]["running"] == 0
+    assert s.evicted["filtered_zero_variance"] == 2 and s.admission.evicted == 2
+    assert s.admission.running == 0
 
 
 def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
     """eta = 0, groups of 4, batches of 8: one rejected episode leaves the version's groups one row short. The slot
     it frees is granted as a whole replacement group at the same version, so the learner gets a full batch of
     version-0 rows; the short group goes stale at version 1 and is evicted, never consumed."""
-    b = BufferActor(BufferConfig(max_staleness=0), group_size=4, consumed_per_version=8, max_concurrent=64)
+    b = BufferActor(BufferConfig(max_staleness=0), group_size=4, consumed_per_version=8, max_concurrent=64,
+                    batch_size=8)
     assert b.try_start(4, 0, "a", "actor0") == 4 and b.try_start(4, 0, "b", "actor0") == 4
     b.push_many([traj("a", i) for i in range(4)] + [traj("b", i) for i in range(3)])
     b.reject(["b"])
@@ -69,7 +71,7 @@ def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
     assert batch is not None and sorted(ids(batch)) == sorted([f"a/{i}" for i in range(4)] + [f"c/{i}" for i in range(4)])
     assert b.sample(8, 1) is None  # version 1: the short group of version 0 is stale
     s = b.stats()
-    assert s["evicted"]["stale"] == 3 and s["staleness_histogram"] == {0: 8}
+    assert s.evicted["stale"] == 3 and s.staleness_histogram == {0: 8}
     assert b.try_start(8, 1, "e", "actor0") == 8  # and the next version admits its two groups
 
 
@@ -83,5 +85,5 @@ def test_a_late_push_of_a_lost_episode_is_dropped_and_never_hurts_another_actor(
     assert late.accepted == 3 and not late.full
     b.push_many([traj("a1-g", 1)])  # before: AdmissionError, 3 pushed but 2 running
     s = b.stats()
-    assert s["late_pushes"] == 2 and s["pushed"] == 2 and s["admission"]["running"] == 0
+    assert s.late_pushes == 2 and s.pushed == 2 and s.admission.running == 0
     assert ids(b.sample(2, 0)) == ["a1-g/0", "a1-g/1"]

@@ -60,7 +60,7 @@ def test_repeated_episode_failures_are_counted_by_kind_in_a_few_lines(caplog):
     with caplog.at_level(logging.WARNING, logger="actors.rollout_worker"):
         stats = asyncio.run(worker.run(num_groups=200))
     assert stats.failed == 200 and len(lost) == 200
-    assert stats.as_dict()["failures"] == {"PromptTooLongError": 100, "RuntimeError": 100}
+    assert stats.message().failures == {"PromptTooLongError": 100, "RuntimeError": 100}
     records = [r for r in caplog.records if r.name == "actors.rollout_worker"]
     # 1, 2, 4, ..., 64 of each kind: 7 lines each instead of 200 tracebacks; one traceback per kind
     assert len(records) == 14, [r.getMessage() for r in records]

@@ -3,6 +3,8 @@ over real HTTP and a real Prometheus are in tests/integration/test_exporter_prom
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -12,10 +14,19 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.rollout_worker import WorkerStats
-from async_agent_rl.config import BufferConfig
+from actors.rollout_worker import RolloutWorker, WorkerStats
+from actors.search_client import SearchClient
+from async_agent_rl import stats as stats_module
+from async_agent_rl.config import BufferConfig, SearchClientConfig
+from async_agent_rl.data.search_r1 import QAExample
+from async_agent_rl.episode import EpisodeRunner, TurnOutput, TurnRequest
+from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.staleness import AdmissionState
+from async_agent_rl.stats import (
+    BufferStats, DriverStats, LearnerStats, PublishStats, RolloutStats, SearchStats, WeightUpdate,
+)
+from buffer.actor import BufferActor
 from buffer.replay_buffer import ReplayBuffer
 from driver.train import LearningSignals
 from monitoring import build_dashboard, metrics as M
@@ -30,21 +41,16 @@ def value(reg: CollectorRegistry, name: str, **labels) -> float | None:
     return reg.get_sample_value(name, labels)
 
 
-def rollout_stats(index=0, elapsed=10.0, **totals) -> dict:
-    """The dict RolloutActor.stats() returns: WorkerStats.as_dict() plus index, version, search, weight_updates."""
-    ws = WorkerStats()
+def rollout_stats(index=0, incarnation="a", **totals) -> RolloutStats:
+    """What RolloutActor.stats() returns: WorkerStats.message() with the actor's index, version, search, ..."""
+    ws = WorkerStats(incarnation=incarnation)
     for k, v in totals.items():
         if k not in ("finish_reasons", "reward_component_sums"):
             setattr(ws, k, v)
     ws.finish_reasons.update(totals.get("finish_reasons", {}))
     ws.reward_component_sums.update(totals.get("reward_component_sums", {}))
-    d = ws.as_dict()
-    d["elapsed_s"] = elapsed
-    d.update(index=index, version=0, search={"requests": 0, "attempts": 0, "retries": 0, "failures": 0,
-                                             "errors_timeout": 0, "errors_connection": 0,
-                                             "errors_http_status": 0, "errors_bad_reply": 0},
-             weight_updates=[], done=False)
-    return d
+    search = SearchStats(errors={"timeout": 0, "connection": 0, "http_status": 0, "bad_reply": 0})
+    return ws.message(index=index, version=0, search=search, ready=True)
 
 
 # ------------------------------------------------------------------------------------------------------ names
@@ -59,11 +65,25 @@ def test_every_constant_is_defined_once_with_prefix_and_type():
         assert spec.help and spec.component in M.COMPONENTS
         assert spec.name.endswith("_total") == (spec.kind == M.COUNTER)
     with pytest.raises(ValueError, match="defined twice"):
-        M._define("learner", M.LEARNER_STEP, M.GAUGE, "again")
+        M._define("learner", M.LEARNER_STEP, M.GAUGE, "again", field="step")
     with pytest.raises(ValueError, match="must start with"):
-        M._define("learner", "aar_buffer_something_new", M.GAUGE, "wrong component")
+        M._define("learner", "aar_buffer_something_new", M.GAUGE, "wrong component", field="step")
     with pytest.raises(ValueError, match="_total"):
-        M._define("learner", "aar_learner_something_new", M.COUNTER, "a counter without _total")
+        M._define("learner", "aar_learner_something_new", M.COUNTER, "a counter without _total", field="step")
+    with pytest.raises(ValueError, match="LearnerStats has no field 'stepz'"):
+        M._define("learner", "aar_learner_something_new", M.GAUGE, "fed from nothing", field="stepz")
+
+
+def test_every_metric_is_fed_from_a_field_of_a_stats_message():
+    """By construction: a spec names the message and the field that feed it, and the field exists (``_define``
+    refuses one that does not); the updaters read exactly those fields."""
+    messages = {cls for cls in vars(stats_module).values() if dataclasses.is_dataclass(cls)}
+    for spec in M.SPECS.values():
+        assert spec.source in messages, spec
+        names = {f.name for f in dataclasses.fields(spec.source)}
+        assert spec.field in names or isinstance(getattr(spec.source, spec.field), property), spec
+    fed = {spec.field for spec in M.SPECS.values() if spec.source is RolloutStats}
+    assert {"turns", "finished", "generated_tokens", "search"} - fed == {"search"}  # search: the search_* metrics
 
 
 def test_all_updaters_share_one_registry_and_registering_twice_fails():
@@ -75,25 +95,71 @@ def test_all_updaters_share_one_registry_and_registering_twice_fails():
         M.LearnerMetrics(reg)
 
 
-def test_every_metric_is_fed_by_some_updater():
-    """After one complete dict per component, every SPECS name is in the exposition (no dead metric)."""
+class ScriptedEngine:
+    """Searches once, then answers (right for even question ids): an episode of two model turns."""
+
+    version = 0
+
+    def __init__(self, tok):
+        self.tok, self.prompts = tok, set()
+
+    async def generate(self, req: TurnRequest) -> TurnOutput:
+        ids = tuple(req.prompt_ids)
+        searched = any(len(p) < len(ids) and ids[: len(p)] == p for p in self.prompts)  # its first turn was asked
+        self.prompts.add(ids)
+        answer = "x" if req.prompt_ids[-1] % 2 == 0 else "y"
+        text = f"<answer> {answer} </answer>" if searched else "<search> alpha </search>"
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return TurnOutput(ids, [-0.5] * len(ids), [self.version] * len(ids), text, "stop")
+
+
+def real_run(tok) -> tuple[RolloutStats, BufferStats]:
+    """A real RolloutWorker (scripted engine; a real SearchClient whose retriever is down, so every search ends as
+    an error observation) pushing into a real buffer actor (no Ray), which then hands out one batch."""
+    settings = EpisodeSettings(max_turns=3, max_tokens_per_turn=32, max_response_length=256, max_obs_length=64,
+                               max_model_len=1024, prompt_template="minimal")  # fmt: skip
+    examples = [QAExample(id=f"q{i}", question=f"question {i} ?", gold_answers=["x"], data_source="world_single")
+                for i in range(8)]
+    buffer = BufferActor(BufferConfig(max_staleness=2, capacity_trajectories=64), group_size=2,
+                         consumed_per_version=4, max_concurrent=8, batch_size=4)
+
+    async def go() -> RolloutStats:
+        async with SearchClient("http://127.0.0.1:9", SearchClientConfig(timeout_s=1, retries=0, deadline_s=1)) as sc:
+            async def sink(batch):
+                buffer.push_many([t.encode() for t in batch])
+
+            async def admit(n, version, group_id):
+                return buffer.try_start(n, version, group_id, "actor0")
+
+            worker = RolloutWorker(EpisodeRunner(ScriptedEngine(tok), sc, tok, settings), iter(examples), sink,
+                                   group_size=2, max_concurrent=4, admit=admit, seed=0)
+            await worker.run(num_groups=4)
+            update = WeightUpdate(version=1, seconds=0.2, pause_seconds=0.05)
+            return worker.stats.message(index=0, version=0, search=sc.stats(), weight_updates=[update], ready=True)
+
+    rollout = asyncio.run(go())
+    assert buffer.sample(4, learner_version=1) is not None
+    return rollout, buffer.stats()
+
+
+def test_every_metric_is_fed_by_some_updater(tok):
+    """Messages of a real worker run and a real buffer (plus one message of each other kind): every SPECS name is
+    in the exposition (no dead metric), aar_rollout_turns_total with the worker's real turn count."""
+    rollout, buffer = real_run(tok)
+    assert rollout.turns == 2 * rollout.finished == 16 and rollout.search.errors["connection"] > 0
     reg = M.new_registry()
     u = M.register_all(reg)
-    s = rollout_stats(started=3, finished=2, generated_tokens=40, reward_sum=1.0,
-                      finish_reasons={"answer": 2}, reward_component_sums={"exact_match": 1.0})
-    s.update(turns=5,
-             weight_updates=[{"version": 1, "seconds": 0.2, "pause_seconds": 0.05}])
-    u["rollout"].update(s)
-    u["buffer"].update(buffer_stats()[0])
-    u["learner"].update(learner_dict(step=1, gae=True))
-    u["driver"].observe_publish({"publish_latency_s": 0.3, "publish_put_s": 0.1, "publish_bytes": 1e6,
-                                 "publish_version": 1.0})
-    u["driver"].update({"lost_episodes": 0, "actor_restarts": {"0": 0}})
+    u["rollout"].update(rollout)
+    u["buffer"].update(buffer)
+    gae = learner_stats(step=1, gae=True)
+    u["learner"].update(gae)
+    u["driver"].observe_publish(PublishStats(version=1, method="object_store", seconds=0.3, put_seconds=0.1,
+                                             bytes=10**6, num_actors=1))
+    u["driver"].update(DriverStats(lost_episodes=0, actor_restarts={"0": 0}))
     u["eval"].update({"all": {"n": 10, "exact_match": 0.5, "f1": 0.6, "searches_per_question": 1.2,
                               "turns_per_question": 2.0}}, split="heldout", step=0)
-    by_kind = {"world_single": {"finished": 2, "reward_sum": 1.0, "exact_match_sum": 1.0, "searches": 2}}
-    u["learning"].update(LearningSignals().update([{**s, "by_kind": by_kind}],
-                                                  {"groups_completed": 4, "groups_zero_variance": 3}, {}))
+    u["learning"].update(LearningSignals().update([rollout], buffer, gae))
+    assert value(reg, M.ROLLOUT_TURNS, actor="0") == 16
     text = generate_latest(reg).decode()
     samples = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     missing = [n for n in M.SPECS if not any(x == n or x.startswith(n + "_") for x in samples)]
@@ -120,7 +186,7 @@ def test_rollout_counters_follow_monotonic_totals_per_actor():
                            finish_reasons={"answer": 3, "max_turns": 1}))
     assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 100
     # totals grew: the counter grows by the difference; the reward mean covers only the new episodes
-    r.update(rollout_stats(0, elapsed=20.0, started=8, finished=6, failed=1, generated_tokens=160,
+    r.update(rollout_stats(0, started=8, finished=6, failed=1, generated_tokens=160,
                            reward_sum=4.0, finish_reasons={"answer": 5, "max_turns": 1}))
     assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 160
     assert value(reg, M.ROLLOUT_FINISH_REASONS, actor="0", reason="answer") == 5
@@ -131,37 +197,33 @@ def test_rollout_counters_follow_monotonic_totals_per_actor():
 def test_rollout_restart_counts_new_totals_and_counters_never_decrease():
     reg = M.new_registry()
     r = M.RolloutMetrics(reg)
-    r.update(rollout_stats(0, elapsed=50.0, started=10, finished=10, generated_tokens=500, reward_sum=5.0))
-    # restarted actor: totals went down -> all of them are new
-    r.update(rollout_stats(0, elapsed=1.0, started=3, finished=3, generated_tokens=60, reward_sum=3.0))
+    r.update(rollout_stats(0, "a", started=10, finished=10, generated_tokens=500, reward_sum=5.0))
+    # restarted actor (a new incarnation): its totals are all new
+    r.update(rollout_stats(0, "b", started=3, finished=3, generated_tokens=60, reward_sum=3.0))
     assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 560
     assert value(reg, M.ROLLOUT_REWARD_MEAN, actor="0") == pytest.approx(1.0)
-    # restarted and already past the old totals: caught by elapsed_s going down
-    r.update(rollout_stats(0, elapsed=0.5, started=12, finished=12, generated_tokens=700, reward_sum=6.0))
+    # restarted and already past the old totals: still a new incarnation
+    r.update(rollout_stats(0, "c", started=12, finished=12, generated_tokens=700, reward_sum=6.0))
     assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 1260
     assert value(reg, M.ROLLOUT_EPISODES_FINISHED, actor="0") == 25
-    # without elapsed_s: one total that went down marks the restart, and every total of that report is new
-    a = rollout_stats(1, started=10, finished=10, generated_tokens=100)
-    b = rollout_stats(1, started=2, finished=2, generated_tokens=100)
-    for d in (a, b):
-        del d["elapsed_s"]
-        r.update(d)
-    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="1") == 200
-    assert value(reg, M.ROLLOUT_EPISODES_STARTED, actor="1") == 12
+    assert value(reg, M.ROLLOUT_REWARD_MEAN, actor="0") == pytest.approx(0.5)
+    # the same incarnation again: nothing moves
+    r.update(rollout_stats(0, "c", started=12, finished=12, generated_tokens=700, reward_sum=6.0))
+    assert value(reg, M.ROLLOUT_GENERATED_TOKENS, actor="0") == 1260
 
 
-def test_rollout_optional_keys_weight_updates_and_search():
+def test_rollout_turns_weight_updates_and_search():
     reg = M.new_registry()
     r = M.RolloutMetrics(reg)
     s = rollout_stats(0, started=4, finished=4)
     r.update(s)
-    assert value(reg, M.ROLLOUT_TURNS, actor="0") is None  # not reported -> not exported (no false zero)
-    assert value(reg, M.ROLLOUT_EXACT_MATCH_MEAN, actor="0") is None  # no exact_match term, no exact_match_sum
-    ups = [{"version": 1, "seconds": 0.2, "pause_seconds": 0.05}, {"version": 2, "seconds": 0.4, "pause_seconds": 0.1}]
-    s = rollout_stats(0, elapsed=11.0, started=8, finished=8)
-    s.update(turns=20, exact_match_sum=2.0, weight_updates=ups, version=2,
-             search={"requests": 9, "attempts": 11, "retries": 2, "failures": 1, "errors_timeout": 2,
-                     "errors_connection": 0, "errors_http_status": 0, "errors_bad_reply": 0})
+    assert value(reg, M.ROLLOUT_TURNS, actor="0") == 0
+    assert value(reg, M.ROLLOUT_EXACT_MATCH_MEAN, actor="0") is None  # no exact_match term: not exported
+    ups = [WeightUpdate(version=1, seconds=0.2, pause_seconds=0.05), WeightUpdate(2, 0.4, 0.1)]
+    s = rollout_stats(0, started=8, finished=8, turns=20, reward_component_sums={"exact_match": 2.0})
+    s.weight_updates, s.version = ups, 2
+    s.search = SearchStats(requests=9, attempts=11, retries=2, failures=1,
+                           errors={"timeout": 2, "connection": 0, "http_status": 0, "bad_reply": 0})
     r.update(s)
     r.update(s)  # the same records again are not observed twice
     assert value(reg, M.ROLLOUT_TURNS, actor="0") == 20
@@ -169,7 +231,7 @@ def test_rollout_optional_keys_weight_updates_and_search():
     # the worker's per-term sums: exact match from the exact_match term, and every term's mean
     r.update(rollout_stats(2, started=4, finished=4, reward_sum=3.0,
                            reward_component_sums={"exact_match": 1.0, "format": 3.0}))
-    r.update(rollout_stats(2, elapsed=12.0, started=8, finished=8, reward_sum=4.0,
+    r.update(rollout_stats(2, started=8, finished=8, reward_sum=4.0,
                            reward_component_sums={"exact_match": 4.0, "format": 3.5}))
     assert value(reg, M.ROLLOUT_EXACT_MATCH_MEAN, actor="2") == pytest.approx(0.75)  # (4 - 1) / 4
     assert value(reg, M.ROLLOUT_REWARD_COMPONENT_MEAN, actor="2", component="format") == pytest.approx(0.125)
@@ -179,11 +241,9 @@ def test_rollout_optional_keys_weight_updates_and_search():
     assert value(reg, M.ROLLOUT_WEIGHT_VERSION, actor="0") == 2
     assert value(reg, M.SEARCH_ERRORS, actor="0", kind="timeout") == 2
     assert value(reg, M.SEARCH_RETRIES, actor="0") == 2
-    s["weight_updates"] = ups[1:] + [{"version": 3, "seconds": 0.1, "pause_seconds": 0.01}]
+    s.weight_updates = ups[1:] + [WeightUpdate(version=3, seconds=0.1, pause_seconds=0.01)]
     r.update(s)
     assert value(reg, M.ROLLOUT_WEIGHT_UPDATE_SECONDS + "_count", actor="0") == 3
-    with pytest.raises(ValueError, match="index"):
-        r.update({"started": 1})
 
 
 # ----------------------------------------------------------------------------------------------------- buffer
@@ -193,7 +253,7 @@ def traj(gid: str, member: int, version: int, n: int = 3) -> bytes:
                       meta=EpisodeMeta(group_id=gid, trajectory_id=f"{gid}/{member}")).encode()
 
 
-def buffer_stats() -> tuple[dict, ReplayBuffer, AdmissionState]:
+def buffer_stats() -> tuple[BufferStats, ReplayBuffer, AdmissionState]:
     """A real ReplayBuffer: 3 groups of 2 at versions 0, 0, 1; one consumed at learner version 1 (staleness 1),
     then the other version-0 group evicted stale at learner version 4 (eta = 2)."""
     adm = AdmissionState(max_staleness=2, batch_size=2, max_concurrent=8, granule=2)
@@ -202,7 +262,12 @@ def buffer_stats() -> tuple[dict, ReplayBuffer, AdmissionState]:
     buf.push([traj("a", 0, 0), traj("a", 1, 0), traj("b", 0, 0), traj("b", 1, 0), traj("c", 0, 1),
               traj("c", 1, 1)])
     adm.on_finished(6, accepted=True)
-    return {**buf.stats(), "admission": adm.counters()}, buf, adm
+    return with_admission(buf, adm), buf, adm
+
+
+def with_admission(buf: ReplayBuffer, adm: AdmissionState, incarnation: str = "a") -> BufferStats:
+    """What BufferActor.stats() adds to ReplayBuffer.stats()."""
+    return dataclasses.replace(buf.stats(), admission=adm.stats(), incarnation=incarnation)
 
 
 def test_buffer_metrics_from_a_real_replay_buffer():
@@ -218,15 +283,15 @@ def test_buffer_metrics_from_a_real_replay_buffer():
     assert value(reg, M.ADMISSION_ACCEPTED) == 6
 
     assert len(buf.sample(2, learner_version=1)) == 2  # group a, staleness 1
-    b.update({**buf.stats(), "admission": adm.counters()})
+    b.update(with_admission(buf, adm))
     assert value(reg, M.BUFFER_SAMPLED) == 2
     assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_bucket", le="0.0") == 0
     assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_bucket", le="1.0") == 2
     assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_count") == 2
 
     assert len(buf.sample(2, learner_version=3)) == 2  # b (staleness 3) is evicted stale; c (staleness 2) comes
-    b.update({**buf.stats(), "admission": adm.counters()})
-    b.update({**buf.stats(), "admission": adm.counters()})  # twice: no double counting
+    b.update(with_admission(buf, adm))
+    b.update(with_admission(buf, adm))  # twice: no double counting
     assert value(reg, M.BUFFER_EVICTED, reason="stale") == 2
     assert value(reg, M.ADMISSION_EVICTED) == 2
     assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_count") == 4
@@ -235,9 +300,9 @@ def test_buffer_metrics_from_a_real_replay_buffer():
     assert value(reg, M.BUFFER_TRAJECTORIES) == 0
     assert value(reg, M.BUFFER_LEARNER_VERSION) == 3
 
-    # a buffer rebuilt from nothing: its small totals are new increments, the histogram keeps growing
+    # a buffer rebuilt from nothing (a new incarnation): its totals are new increments, the histogram keeps growing
     fresh, _, _ = buffer_stats()
-    fresh["staleness_histogram"] = {0: 1}
+    fresh.incarnation, fresh.staleness_histogram = "b", {0: 1}
     b.update(fresh)
     assert value(reg, M.BUFFER_PUSHED) == 12
     assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_count") == 5
@@ -245,8 +310,8 @@ def test_buffer_metrics_from_a_real_replay_buffer():
 
 
 # ---------------------------------------------------------------------------------------------------- learner
-def learner_dict(step: int, gae: bool = False, **over) -> dict:
-    """The keys Learner.train_step returns under decoupled PPO without a KL term (gae adds the critic's)."""
+def learner_stats(step: int, gae: bool = False, **over) -> LearnerStats:
+    """What Learner.train_step returns under decoupled PPO without a KL term (gae adds the critic's)."""
     d = {"policy_loss": 0.1, "entropy": 2.0, "clip_frac": 0.05, "dual_clip_frac": 0.0, "approx_kl": 0.01,
          "iw_mean": 1.0, "iw_max": 1.8, "iw_capped_frac": 0.0, "behavior_kl": 0.001, "grad_norm": 0.7,
          "lr": 1e-4, "staleness_mean": 0.5, "staleness_max": 1.0, "reward_mean": 0.25, "advantage_mean": 0.0,
@@ -254,16 +319,16 @@ def learner_dict(step: int, gae: bool = False, **over) -> dict:
     if gae:
         d.update(value_loss=0.3, critic_grad_norm=0.2, kl=0.02)
     d.update(over)
-    return d
+    return LearnerStats.from_dict(d)
 
 
 def test_learner_metrics_count_each_step_once_and_skip_uncomputed_gauges():
     reg = M.new_registry()
     lm = M.LearnerMetrics(reg)
     assert value(reg, M.LEARNER_POLICY_LOSS) is None  # nothing set yet: no misleading zeros
-    lm.update(learner_dict(1))
-    lm.update(learner_dict(1))  # the same step again
-    lm.update(learner_dict(2, step_time_s=4.0, tokens_per_s=100.0, policy_loss=-0.2))
+    lm.update(learner_stats(1))
+    lm.update(learner_stats(1))  # the same step again
+    lm.update(learner_stats(2, step_time_s=4.0, tokens_per_s=100.0, policy_loss=-0.2))
     assert value(reg, M.LEARNER_STEPS) == 2
     assert value(reg, M.LEARNER_STEP) == 2
     assert value(reg, M.LEARNER_POLICY_LOSS) == pytest.approx(-0.2)
@@ -280,15 +345,16 @@ def test_learner_metrics_count_each_step_once_and_skip_uncomputed_gauges():
 def test_driver_and_eval_metrics():
     reg = M.new_registry()
     d, e = M.DriverMetrics(reg), M.EvalMetrics(reg)
-    pub = {"publish_latency_s": 0.3, "publish_put_s": 0.1, "publish_bytes": 2e6, "publish_version": 1.0}
+    pub = PublishStats(version=1, method="object_store", seconds=0.3, put_seconds=0.1, bytes=2 * 10**6,
+                       num_actors=2)
     d.observe_publish(pub)
     d.observe_publish(pub)  # the same publish twice
-    d.observe_publish({**pub, "publish_version": 2.0, "publish_latency_s": 0.5})
+    d.observe_publish(dataclasses.replace(pub, version=2, seconds=0.5))
     assert value(reg, M.WEIGHT_PUBLISH_SECONDS + "_count") == 2
     assert value(reg, M.WEIGHT_PUBLISH_SECONDS + "_sum") == pytest.approx(0.8)
     assert value(reg, M.DRIVER_POLICY_VERSION) == 2
-    d.update({"lost_episodes": 3, "actor_restarts": {"1": 1}})
-    d.update({"lost_episodes": 5, "actor_restarts": {"1": 1}})
+    d.update(DriverStats(lost_episodes=3, actor_restarts={"1": 1}))
+    d.update(DriverStats(lost_episodes=5, actor_restarts={"1": 1}))
     assert value(reg, M.DRIVER_LOST_EPISODES) == 5
     assert value(reg, M.DRIVER_ACTOR_RESTARTS, actor="1") == 1
     e.update({"all": {"n": 50, "exact_match": 0.4, "f1": 0.5}, "nq": {"n": 50, "exact_match": 0.4, "f1": 0.5}},
@@ -416,7 +482,7 @@ def test_close_waits_for_a_final_scrape_only_when_prometheus_is_scraping(tmp_pat
     th.start()
     while not seen:
         time.sleep(0.05)
-    mon.learner.update({"step": 7})
+    mon.learner.update(LearnerStats(step=7))
     mon.close(final_scrape_timeout_s=10.0)
     stop.set()
     th.join(timeout=10)

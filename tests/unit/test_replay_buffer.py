@@ -90,8 +90,8 @@ def test_stale_groups_evicted_counted_and_logged(caplog):
         got = buf.sample_wire(2, learner_version=2)
     assert ids(got) == ["new/0", "new/1"]
     s = buf.stats()
-    assert s["evicted"] == {EVICT_STALE: 2, EVICT_PARTIAL_TIMEOUT: 0, EVICT_ZERO_VARIANCE: 0}
-    assert s["staleness_histogram"] == {0: 2}
+    assert s.evicted == {EVICT_STALE: 2, EVICT_PARTIAL_TIMEOUT: 0, EVICT_ZERO_VARIANCE: 0}
+    assert s.staleness_histogram == {0: 2}
     assert "evicted 2 trajectories of group 'old' (stale)" in caplog.text
     assert "staleness 2 > max_staleness 1" in caplog.text
 
@@ -100,11 +100,11 @@ def test_max_staleness_zero_is_on_policy_and_the_boundary_is_kept():
     buf = make(group_size=1, max_staleness=0)
     buf.push([traj("v3", version=3), traj("v2", version=2)])
     assert ids(buf.sample_wire(1, 3)) == ["v3/0"]
-    assert buf.stats()["evicted"][EVICT_STALE] == 1
+    assert buf.stats().evicted[EVICT_STALE] == 1
     buf = make(group_size=1, max_staleness=2)
     buf.push([traj("edge", version=1)])
     assert ids(buf.sample_wire(1, 3)) == ["edge/0"]  # staleness exactly eta is allowed
-    assert buf.stats()["staleness_histogram"] == {2: 1}
+    assert buf.stats().staleness_histogram == {2: 1}
 
 
 def test_trajectory_without_generated_tokens_is_never_stale():
@@ -124,7 +124,7 @@ def test_rejected_members_release_a_short_group():
     assert buf.sample_wire(3, 0) is None
     buf.push([traj("a", 1)])
     s = buf.stats()
-    assert (s["groups_released_short"], s["rejected"], s["ready_groups"]) == (1, 1, 1)
+    assert (s.groups_released_short, s.rejected, s.ready_groups) == (1, 1, 1)
     # a batch is exactly batch_size trajectories: the short group waits for a batch it fits in
     assert buf.sample_wire(3, 0) is None
     buf.push([traj("b", 0), traj("b", 1), traj("b", 2)])
@@ -142,7 +142,7 @@ def test_partial_group_wait_keeps_waiting_and_counts_overdue(caplog):
     with caplog.at_level(logging.WARNING, logger="buffer.replay_buffer"):
         assert buf.sample_wire(2, 0) is None
         buf.stats()
-    assert buf.stats()["groups_overdue"] == 1  # counted once
+    assert buf.stats().groups_overdue == 1  # counted once
     assert "group 'a' has 1/2 members after 11 s" in caplog.text
     buf.push([traj("a", 1)])
     assert ids(buf.sample_wire(2, 0)) == ["a/0", "a/1"]
@@ -156,7 +156,7 @@ def test_partial_group_release_after_timeout():
     assert buf.sample_wire(3, 0) is None
     clock.now += 2
     assert buf.sample_wire(3, 0) is None  # released, but two trajectories cannot make a batch of three
-    assert buf.stats()["groups_released_partial"] == 1 and buf.stats()["ready_groups"] == 1
+    assert buf.stats().groups_released_partial == 1 and buf.stats().ready_groups == 1
 
 
 def test_partial_group_drop_after_timeout_is_an_eviction():
@@ -168,15 +168,15 @@ def test_partial_group_drop_after_timeout_is_an_eviction():
     buf.push([traj("a", 0), traj("a", 1)])
     clock.now += 10
     s = buf.stats()
-    assert s["evicted"][EVICT_PARTIAL_TIMEOUT] == 2 and s["size"] == 0 and evicted == [2]
-    assert s["pushed"] == s["sampled"] + s["evicted_total"] + s["size"]
+    assert s.evicted[EVICT_PARTIAL_TIMEOUT] == 2 and s.size == 0 and evicted == [2]
+    assert s.pushed == s.sampled + s.evicted_total + s.size
 
 
 def test_backpressure_on_trajectory_capacity_accepts_a_prefix():
     buf = make(group_size=1, capacity_trajectories=3)
     res = buf.push([traj(g) for g in "abcde"])
     assert (res.accepted, res.full) == (3, True)
-    assert len(buf) == 3 and buf.stats()["push_refused"] == 2
+    assert len(buf) == 3 and buf.stats().push_refused == 2
     buf.sample_wire(2, 0)
     res = buf.push([traj(g) for g in "de"])
     assert (res.accepted, res.full) == (2, False)
@@ -186,7 +186,7 @@ def test_backpressure_on_token_capacity():
     buf = make(group_size=1, capacity_tokens=25)
     res = buf.push([traj("a", tokens=10), traj("b", tokens=10), traj("c", tokens=10)])
     assert (res.accepted, res.full) == (2, True)
-    assert buf.stats()["tokens"] == 20
+    assert buf.stats().tokens == 20
     with pytest.raises(CapacityError, match="can never fit"):
         buf.push([traj("huge", tokens=26)])
 
@@ -200,7 +200,7 @@ def test_new_groups_wait_so_pending_groups_can_complete():
     assert buf.push([traj("b", 0)]).full  # 2 stored + 2 for "b" > 3
     buf.sample_wire(2, 0)
     assert buf.push([traj("b", 0), traj("b", 1)]).accepted == 2
-    assert buf.stats()["ready_groups"] == 1
+    assert buf.stats().ready_groups == 1
 
 
 def test_token_promises_follow_the_mean_member_length():
@@ -228,9 +228,9 @@ def test_stats_report_sizes_and_age():
     buf.push([traj("b", 0, tokens=4), traj("b", 1, tokens=4)])
     clock.now += 2
     s = buf.stats()
-    assert (s["size"], s["tokens"], s["ready_groups"], s["pending_groups"]) == (3, 14, 1, 1)
-    assert s["oldest_age_s"] == pytest.approx(5.0)
-    assert (s["pushed"], s["sampled"], s["evicted_total"]) == (3, 0, 0)
+    assert (s.size, s.tokens, s.ready_groups, s.pending_groups) == (3, 14, 1, 1)
+    assert s.oldest_age_s == pytest.approx(5.0)
+    assert (s.pushed, s.sampled, s.evicted_total) == (3, 0, 0)
 
 
 # -------------------------------------------------------------------------------------------------- snapshots
@@ -253,7 +253,7 @@ def test_snapshot_round_trip(tmp_path):
     for b in (buf, back):
         b.push([traj("b", 1), traj("d", 0)])
     assert ids(back.sample_wire(4, 1)) == ids(buf.sample_wire(4, 1)) == ["c/0", "c/1", "b/0", "b/1"]
-    assert back.stats()["ready_groups"] == buf.stats()["ready_groups"] == 1  # "d", short, waits for a batch
+    assert back.stats().ready_groups == buf.stats().ready_groups == 1  # "d", short, waits for a batch
 
 
 def test_snapshot_refuses_a_different_group_size(tmp_path):
@@ -298,16 +298,16 @@ def test_zero_variance_groups_are_dropped_counted_and_the_batch_stays_full():
     buf.push([traj("close", 0, reward=0.5), traj("close", 1, reward=0.5 + 1e-3)])  # a real difference: kept
     assert ids(buf.sample_wire(4, 0)) == ["mixed/0", "mixed/1", "close/0", "close/1"]
     s = buf.stats()
-    assert s["evicted"][EVICT_ZERO_VARIANCE] == 6 and evicted == [2, 2, 2]  # admission slots freed for refills
-    assert s["filtered_groups"] == {"all_correct": 1, "all_wrong": 1, "all_equal": 1}
-    assert s["pushed"] == s["sampled"] + s["evicted_total"] + s["size"]
+    assert s.evicted[EVICT_ZERO_VARIANCE] == 6 and evicted == [2, 2, 2]  # admission slots freed for refills
+    assert s.filtered_groups == {"all_correct": 1, "all_wrong": 1, "all_equal": 1}
+    assert s.pushed == s.sampled + s.evicted_total + s.size
 
 
 def test_without_the_filter_equal_reward_groups_are_trained_on():
     buf = make(group_size=2)
     buf.push([traj("wrong", 0), traj("wrong", 1), traj("right", 0, reward=1.0), traj("right", 1, reward=1.0)])
     assert ids(buf.sample_wire(4, 0)) == ["wrong/0", "wrong/1", "right/0", "right/1"]
-    assert buf.stats()["evicted"][EVICT_ZERO_VARIANCE] == 0
+    assert buf.stats().evicted[EVICT_ZERO_VARIANCE] == 0
 
 
 def test_zero_variance_filter_applies_to_short_and_timed_out_groups():
@@ -320,7 +320,7 @@ def test_zero_variance_filter_applies_to_short_and_timed_out_groups():
     clock.now += 11
     assert buf.sample_wire(3, 0) is None  # "late" was released partial (2 of 3): a 3-batch cannot take it
     s = buf.stats()
-    assert s["evicted"][EVICT_ZERO_VARIANCE] == 2 and s["groups_released_partial"] == 1 and s["ready_groups"] == 1
+    assert s.evicted[EVICT_ZERO_VARIANCE] == 2 and s.groups_released_partial == 1 and s.ready_groups == 1
 
 
 def test_group_filter_needs_groups():
@@ -387,9 +387,9 @@ def test_random_traffic_keeps_groups_whole_memory_bounded_and_nothing_lost(group
         else:
             clock.now += op[1]
         s = buf.stats()
-        assert s["size"] <= cap and s["tokens"] <= 6 * cap
-        assert s["pushed"] == s["sampled"] + s["evicted_total"] + s["size"]
-        assert sum(evictions) == s["evicted_total"]
+        assert s.size <= cap and s.tokens <= 6 * cap
+        assert s.pushed == s.sampled + s.evicted_total + s.size
+        assert sum(evictions) == s.evicted_total
 
 
 def test_the_filter_stands_aside_after_a_streak_so_a_policy_without_signal_cannot_stall_the_run(caplog):
@@ -405,4 +405,4 @@ def test_the_filter_stands_aside_after_a_streak_so_a_policy_without_signal_canno
     buf.push([traj("e", 0), traj("e", 1)])
     assert ids(buf.sample_wire(2, 0)) == ["mixed/0", "mixed/1"] and buf.sample_wire(2, 0) is None
     s = buf.stats()
-    assert s["zero_variance_kept"] == 2 and s["evicted"][EVICT_ZERO_VARIANCE] == 6
+    assert s.zero_variance_kept == 2 and s.evicted[EVICT_ZERO_VARIANCE] == 6

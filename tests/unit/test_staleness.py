@@ -203,7 +203,7 @@ def test_out_of_order_with_buffer_eviction_never_consumes_stale_and_counts_exact
                 assert all(learner_version - t.min_version <= eta for t in got)
                 learner_version += 1
         stats = buf.stats()
-        assert stats["evicted"][EVICT_STALE] == model_evicted
-        assert stats["pushed"] == stats["sampled"] + stats["evicted_total"] + stats["size"] == pushed
-        assert adm.live == stats["sampled"] + stats["size"]
-    assert all(s <= eta for s in buf.stats()["staleness_histogram"])
+        assert stats.evicted[EVICT_STALE] == model_evicted
+        assert stats.pushed == stats.sampled + stats.evicted_total + stats.size == pushed
+        assert adm.live == stats.sampled + stats.size
+    assert all(s <= eta for s in buf.stats().staleness_histogram)

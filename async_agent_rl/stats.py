@@ -1,0 +1,308 @@
+"""Typed statistics messages of the components, and the one place that keeps run totals over restarts.
+
+Every component reports plain data (these dataclasses pickle across Ray as they are):
+
+==================  ==============================================  ==========================================
+message             produced by                                     consumed by
+==================  ==============================================  ==========================================
+``RolloutStats``    ``RolloutActor.stats()`` (``WorkerStats``)      the driver (supervision, metrics.jsonl),
+                                                                    ``monitoring.metrics.RolloutMetrics``
+``BufferStats``     ``ReplayBuffer.stats()``, ``BufferActor``       the driver, ``BufferMetrics``
+``LearnerStats``    ``Learner.train_step``                          the driver, ``LearnerMetrics``
+``DriverStats``     the driver (faults)                             ``DriverMetrics``
+``PublishStats``    ``learner.weight_sync`` publishers              metrics.jsonl, ``DriverMetrics``
+``LearningStats``   ``driver.train.LearningSignals``                metrics.jsonl, ``LearningMetrics``
+``EvalScore``       (the keys of one ``score_episodes`` entry)      ``EvalMetrics``
+==================  ==============================================  ==========================================
+
+Totals are monotonic since the reporting process started. A restarted rollout actor (a new process, so a new
+``incarnation``) or a rebuilt buffer starts again from zero; ``RunTotals`` turns such reports into totals since
+the run began, for the driver's records and the Prometheus counters alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Optional
+
+
+def new_incarnation() -> str:
+    """An id for one life of a reporting process: its totals restart at zero when this changes."""
+    return uuid.uuid4().hex
+
+
+# ----------------------------------------------------------------------------------------------------- rollout
+@dataclass
+class SearchStats:
+    """The search client's monotonic counts: calls, HTTP attempts, retries, calls that failed after all retries,
+    and failed attempts by kind (timeout, connection, http_status, bad_reply)."""
+
+    requests: int = 0
+    attempts: int = 0
+    retries: int = 0
+    failures: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class WeightUpdate:
+    """One weight reload in a rollout actor's engine."""
+
+    version: int
+    seconds: float
+    pause_seconds: float = 0.0
+    bytes: int = 0
+    mode: str = ""
+
+
+@dataclass
+class RolloutStats:
+    """One rollout actor: its worker's totals over finished episodes since ``incarnation`` began, and its state."""
+
+    index: int = 0
+    incarnation: str = ""
+    ready: bool = False  # set up (a restarted actor is not until the driver calls setup())
+    done: bool = False  # its worker's run ended
+    version: int = 0  # policy version of the engine's weights
+    elapsed_s: float = 0.0
+    running: int = 0  # episodes in flight
+    started: int = 0
+    finished: int = 0
+    failed: int = 0
+    groups_started: int = 0
+    waves: int = 0  # mode="sync" only
+    pushed: int = 0
+    generated_tokens: int = 0
+    observation_tokens: int = 0
+    searches: int = 0
+    search_errors: int = 0
+    turns: int = 0  # model turns
+    reward_sum: float = 0.0
+    reward_component_sums: dict[str, float] = field(default_factory=dict)
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    # per question kind (data source): finished, reward_sum, exact_match_sum, searches
+    by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # failed episodes by exception type
+    search: SearchStats = field(default_factory=SearchStats)
+    weight_updates: list[WeightUpdate] = field(default_factory=list)  # the latest few
+
+    @property
+    def exact_match_sum(self) -> Optional[float]:
+        """Summed exact match of the finished episodes, when ``exact_match`` is a reward term."""
+        return self.reward_component_sums.get("exact_match")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------------ buffer
+@dataclass
+class AdmissionStats:
+    """``AdmissionState``'s counters: totals, and ``running`` episodes in flight."""
+
+    started: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    evicted: int = 0
+    running: int = 0
+
+
+@dataclass
+class BufferStats:
+    """The replay buffer: what it holds now (gauges) and totals since it was built (restored counters included)."""
+
+    size: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    ready_groups: int = 0
+    pending_groups: int = 0
+    oldest_age_s: float = 0.0
+    learner_version: int = 0
+    capacity_trajectories: int = 0
+    capacity_tokens: int = 0
+    pushed: int = 0
+    sampled: int = 0
+    push_refused: int = 0
+    rejected: int = 0
+    groups_released_short: int = 0
+    groups_released_partial: int = 0
+    groups_overdue: int = 0
+    groups_completed: int = 0
+    groups_zero_variance: int = 0
+    zero_variance_kept: int = 0
+    evicted: dict[str, int] = field(default_factory=dict)  # by reason
+    filtered_groups: dict[str, int] = field(default_factory=dict)  # all_correct, all_wrong, all_equal
+    staleness_histogram: dict[int, int] = field(default_factory=dict)  # consumed trajectories by staleness
+    # the buffer actor's
+    incarnation: str = ""
+    admission: AdmissionStats = field(default_factory=AdmissionStats)
+    lost_episodes: dict[str, int] = field(default_factory=dict)  # by rollout actor
+    late_pushes: int = 0
+
+    @property
+    def evicted_total(self) -> int:
+        return sum(self.evicted.values())
+
+    @property
+    def groups_released(self) -> dict[str, int]:
+        """Groups released incomplete, by how: ``short`` (members rejected), ``partial`` (timed out)."""
+        return {"short": self.groups_released_short, "partial": self.groups_released_partial}
+
+
+# ----------------------------------------------------------------------------------------------------- learner
+@dataclass
+class LearnerStats:
+    """One ``Learner.train_step`` (``learner.learner`` module docstring). Quantities a configuration does not
+    compute (``kl`` without a KL term, the critic's without ``gae``, importance weights under plain PPO) are None;
+    ``extra`` holds the loss-specific ones nothing reads by name (``vf_clip_frac``, ...); ``batch`` describes the
+    step's batch (``TrainBatch.summary()``)."""
+
+    step: int = 0
+    version: int = 0
+    lr: float = 0.0
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    loss_tokens: float = 0.0
+    reward_mean: float = 0.0
+    advantage_mean: float = 0.0
+    staleness_mean: float = 0.0
+    staleness_max: float = 0.0
+    policy_loss: Optional[float] = None
+    entropy: Optional[float] = None
+    kl: Optional[float] = None
+    value_loss: Optional[float] = None
+    approx_kl: Optional[float] = None
+    behavior_kl: Optional[float] = None
+    clip_frac: Optional[float] = None
+    dual_clip_frac: Optional[float] = None
+    iw_mean: Optional[float] = None
+    iw_max: Optional[float] = None
+    iw_capped_frac: Optional[float] = None
+    grad_norm: Optional[float] = None
+    critic_grad_norm: Optional[float] = None
+    extra: dict[str, float] = field(default_factory=dict)
+    batch: dict[str, float] = field(default_factory=dict)  # TrainBatch.summary() of the step's batch
+
+    @property
+    def trained_tokens(self) -> float:
+        """Non-padding tokens of the step's batch."""
+        return self.tokens_per_s * self.step_time_s
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, float]) -> "LearnerStats":
+        """From a flat metrics dict (``as_dict``): known keys to fields, the rest to ``extra``."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "batch"}
+        known = {k: v for k, v in d.items() if k in names}
+        for k in ("step", "version"):
+            if k in known:
+                known[k] = int(known[k])
+        return cls(**known, extra={k: float(v) for k, v in d.items() if k not in names})
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat, without the quantities not computed (the ``learner`` entry of metrics.jsonl)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "batch")}
+        d = {k: float(v) for k, v in d.items() if v is not None}
+        return {**d, **self.extra}
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+@dataclass
+class DriverStats:
+    """The driver's fault accounting: in-flight episodes lost to actor failures, restarts per rollout actor."""
+
+    lost_episodes: int = 0
+    actor_restarts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class PublishStats:
+    """``seconds``: publish call to every actor done (the publish latency); ``put_seconds``: ``ray.put`` (object
+    store) or the broadcasts (NCCL); ``actor_seconds``: each actor's own reload time when it reports one."""
+
+    version: int
+    method: str
+    seconds: float
+    put_seconds: float
+    bytes: int
+    num_actors: int
+    actor_seconds: list[float] = field(default_factory=list)
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"publish_latency_s": self.seconds, "publish_put_s": self.put_seconds,
+                "publish_bytes": float(self.bytes), "publish_version": float(self.version)}
+
+
+@dataclass
+class LearningStats:
+    """Per-step learning signals: the share of the groups completed since the previous step whose rewards were all
+    equal (None when none completed), the step's entropy, and by question kind the ``episodes``, mean ``reward``,
+    ``exact_match`` and ``searches`` of the rollout episodes finished since the previous step."""
+
+    zero_variance_share: Optional[float] = None
+    entropy: Optional[float] = None
+    by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class EvalScore:
+    """One entry (a data source, or ``all``) of ``actors.stack.score_episodes``."""
+
+    n: int = 0
+    exact_match: float = 0.0
+    f1: float = 0.0
+    searches_per_question: float = 0.0
+    turns_per_question: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------------------ totals
+Key = Hashable
+
+
+class RunTotals:
+    """Totals since the run began, from sources whose own totals start again at zero when they restart.
+
+    ``report(source, incarnation, totals)`` folds in one report of ``source`` (a rollout actor, the buffer) and
+    returns that source's totals since the run began. The source restarted when its ``incarnation`` changed or
+    any of its totals went down: what its previous life reported last is then retired, i.e. kept. ``base`` holds
+    the totals of an earlier process of the same run (a resumed run); ``run()`` adds every source to it. Reporting
+    the same totals twice changes nothing. Thread-safe (the metrics poller and the driver's loop)."""
+
+    def __init__(self, base: Optional[Mapping[Key, float]] = None):
+        self._base = dict(base or {})
+        self._retired: dict[str, dict[Key, float]] = {}
+        self._last: dict[str, tuple[str, dict[Key, float]]] = {}
+        self._lock = threading.Lock()
+
+    def report(self, source: str, incarnation: str, totals: Mapping[Key, float]) -> dict[Key, float]:
+        with self._lock:
+            previous = self._last.get(source)
+            if previous is not None:
+                old_incarnation, last = previous
+                if old_incarnation != incarnation or any(t < last.get(k, 0.0) for k, t in totals.items()):
+                    retired = self._retired.setdefault(source, {})
+                    for k, v in last.items():
+                        retired[k] = retired.get(k, 0.0) + v
+            self._last[source] = (incarnation, dict(totals))
+            return self._source(source)
+
+    def source(self, source: str) -> dict[Key, float]:
+        with self._lock:
+            return self._source(source)
+
+    def _source(self, source: str) -> dict[Key, float]:
+        out = dict(self._retired.get(source, {}))
+        for k, v in self._last.get(source, ("", {}))[1].items():
+            out[k] = out.get(k, 0.0) + v
+        return out
+
+    def run(self) -> dict[Key, float]:
+        """The base plus every source's totals since the run began."""
+        with self._lock:
+            out = dict(self._base)
+            for source in self._last:
+                for k, v in self._source(source).items():
+                    out[k] = out.get(k, 0.0) + v
+            return out
