@@ -13,13 +13,19 @@ single, NON-special tokens when ``tags_as_tokens`` is on (the default). Why:
 
 Chat template: ChatML (``<|im_start|>role\\n...<|im_end|>\\n``), the format Qwen instruct models use; ``<|im_end|>``
 is EOS, ``<|endoftext|>`` is padding.
+
+``init_tiny_model(..., tokenizer=...)`` builds the same random model on a given tokenizer instead (a real one, e.g.
+Qwen's 151k-token BPE with its chat template), used as is: no corpus fitting, no added tags, so the tags are plain
+text of several tokens each and every seam (observations, stop strings, special tokens) is the real model's.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
+
+from transformers import AutoTokenizer
 
 from async_agent_rl.config import TinyModelConfig
 from async_agent_rl.prompts import MINIMAL_TEMPLATE, SEARCH_R1_TEMPLATE, TAGS
@@ -104,12 +110,21 @@ def build_model(cfg: TinyModelConfig, tokenizer):
 
 
 def init_tiny_model(
-    out_dir: str | Path, cfg: TinyModelConfig, corpus_file: str | Path | None = None, extra_texts: Iterable[str] = ()
+    out_dir: str | Path,
+    cfg: TinyModelConfig,
+    corpus_file: str | Path | None = None,
+    extra_texts: Iterable[str] = (),
+    tokenizer: Any = None,
 ) -> Path:
-    """Train the tokenizer, build the model, ``save_pretrained`` both into ``out_dir``; returns the folder."""
+    """Train the tokenizer (or take ``tokenizer`` as is: a transformers tokenizer or a folder holding one; then
+    ``cfg.vocab_size`` and ``cfg.tags_as_tokens`` are not used), build the model on it, ``save_pretrained`` both into
+    ``out_dir``; returns the folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(cfg, corpus_file, extra_texts)
+    if tokenizer is None:
+        tokenizer = train_tokenizer(cfg, corpus_file, extra_texts)
+    elif isinstance(tokenizer, (str, Path)):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     model = build_model(cfg, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -57,6 +57,20 @@ def qwen_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def qwen_model_dir(qwen_tokenizer, tmp_path_factory) -> Path:
+    """A tiny random Qwen2 model (hidden 64, 2 layers, ~10M parameters, nearly all of them the tied 151k-row
+    embedding) on the real Qwen tokenizer, saved with its files and chat template."""
+    from async_agent_rl.config import TinyModelConfig
+    from async_agent_rl.tiny_model import init_tiny_model
+
+    out = tmp_path_factory.mktemp("qwen_model")
+    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=1024)
+    init_tiny_model(out, cfg, tokenizer=qwen_tokenizer)
+    return out
+
+
+@pytest.fixture(scope="session")
 def searching_model_dir(world_dir, tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model after a short, hot SFT warm start (64 demonstrations of the perfect expert, 2 epochs, ~20 s):
     it writes the Search-R1 format and searches in about half of its first turns at temperature 1 (the random-init

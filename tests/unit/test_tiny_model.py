@@ -65,3 +65,19 @@ def test_real_qwen_chat_template_and_tags_as_text(qwen_tokenizer):
     assert text.startswith("<|im_start|>user\nQuestion: who?<|im_end|>") and text.endswith("<|im_start|>assistant\n")
     # in Qwen's vocab the tags are plain text, several tokens each: stop strings (not ids) must be used
     assert len(qwen_tokenizer.encode("</search>", add_special_tokens=False)) > 1
+
+
+def test_tiny_model_on_the_real_qwen_tokenizer(qwen_model_dir, qwen_tokenizer):
+    """The folder built on a given tokenizer keeps it as is (vocabulary, special tokens, chat template) and the
+    model's vocabulary is the tokenizer's, embedding tied to the head."""
+    tok = AutoTokenizer.from_pretrained(qwen_model_dir)
+    assert tok.get_vocab() == qwen_tokenizer.get_vocab() and tok.chat_template == qwen_tokenizer.chat_template
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    model = AutoModelForCausalLM.from_pretrained(qwen_model_dir)
+    assert model.config.vocab_size == len(tok) > 150_000 and model.config.hidden_size == 64
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.config.eos_token_id == tok.eos_token_id and model.config.pad_token_id == tok.pad_token_id
+    ids = torch.tensor([prompt_ids(tok, [{"role": "user", "content": "Who founded X?"}], True)])
+    assert tok.decode(ids[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] >= ids.shape[1] + 1
