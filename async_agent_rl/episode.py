@@ -6,7 +6,8 @@ episodes by the same code. It lives in the core so that neither of those package
 
 The loop, per turn (Search-R1 semantics, docs/ALGORITHMS.md sections 1-2)::
 
-    generate one model turn from prompt_ids + response_ids        (stop after </search> or </answer>, stop kept)
+    generate one model turn from prompt_ids + response_ids        (stop after </search> or </answer>, stop kept;
+                                                                   the turn's text is the decoding of its tokens)
         budget = min(max_tokens_per_turn, response budget left, context left)
     parse the FIRST <search>q</search> | <answer>a</answer> of the turn
         answer            -> stop
@@ -65,7 +66,7 @@ class TurnOutput:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    text: str
+    text: str  # the engine's text; the episode reads the decoding of token_ids (vLLM cuts text at a stop string)
     finish_reason: str  # "stop" (stop string or EOS), "length", "abort"
     stop_reason: Any = None
 
@@ -207,17 +208,20 @@ class EpisodeRunner:
                     seed=None if seed is None else seed * 1000 + turn,
                 )
             )
+            # The model said what its tokens say: vLLM cuts its text right after a stop string, which with a real
+            # BPE often ends inside the last token (Qwen: '>\n\n', '>.'), while those tokens are trained on and read.
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
             if out.token_ids:
                 turns.append(TurnSpan("model", len(resp), len(resp) + len(out.token_ids)))
                 resp += out.token_ids
                 mask += [1] * len(out.token_ids)
                 logps += out.logprobs
                 versions += out.versions
-                pieces.append(("model", out.text))
+                pieces.append(("model", text))
             if out.finish_reason == "abort":
                 finish = "aborted"
                 break
-            action, arg = parse_action(out.text)
+            action, arg = parse_action(text)
             if action == "answer":
                 finish = "answer"
                 break
