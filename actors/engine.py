@@ -36,7 +36,10 @@ version advances).
 Why not reload without pausing: the reload and the version stamp are two engine-core calls, and a step between
 them would label new-weight tokens with the old version.
 
-Reload goes through vLLM's ``reload_weights`` from a safetensors file in a tmpfs folder: ``collective_rpc`` does
+Two ways in (``weight_sync.method``). Collective (``update_weights_collective``): the engine's workers are members
+of the learner's broadcast group and receive the tensors themselves (``actors/vllm_worker.py``), no copy anywhere
+between. Object store (``update_weights``): the reload goes through vLLM's ``reload_weights`` from a safetensors
+file in a tmpfs folder: ``collective_rpc`` does
 not carry tensors across the engine-core process boundary, files do. That file is a full copy of the policy in RAM
 (``/dev/shm``): it lives only for the reload. Each update writes it into a fresh ``aar_weights_<pid>_*`` folder and
 removes the folder as soon as the engine has loaded it, whatever happens; a process killed in that window leaves the
@@ -54,7 +57,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -268,10 +271,10 @@ class VLLMEngine:
         return TurnOutput(ids, logprobs, versions, comp.text, str(comp.finish_reason), comp.stop_reason)
 
     async def update_weights(self, version: int, weights: Mapping[str, Any], mode: str = "pause") -> WeightUpdateStats:
+        """The object-store path: ``weights`` (name -> array) written to a RAM folder and reloaded from it."""
         from safetensors.torch import save_file
 
-        if mode not in ("pause", "inflight"):
-            raise ValueError(f"weight update mode {mode!r}; allowed: pause, inflight")
+        _check_mode(mode)
         async with self._update_lock:
             t0 = time.perf_counter()
             tensors = _tensor_dict(weights)
@@ -280,21 +283,61 @@ class VLLMEngine:
             weights_dir = Path(tempfile.mkdtemp(prefix=f"{WEIGHTS_PREFIX}{os.getpid()}_", dir=weights_tmp_root()))
             try:
                 await asyncio.to_thread(save_file, tensors, str(weights_dir / "model.safetensors"))
-                tp = time.perf_counter()
-                await self.llm.pause_generation(mode="keep", clear_cache=mode == "pause")
-                try:
-                    # vLLM's reload, then the tied head and CPU-packed kernels (actors/vllm_worker.py)
-                    await self.llm.collective_rpc("reload_policy_weights", kwargs={"weights_path": str(weights_dir)})
-                    await self.llm.update_weight_version(str(version))
-                    self.version = version
-                    self._inflight_updates += mode == "inflight"
-                finally:
-                    await self.llm.resume_generation()
-                    pause_s = time.perf_counter() - tp
+                # vLLM's reload, then the tied head and CPU-packed kernels (actors/vllm_worker.py)
+                pause_s = await self._paused_reload(version, mode, "reload_policy_weights",
+                                                    {"weights_path": str(weights_dir)})
             finally:
                 shutil.rmtree(weights_dir, ignore_errors=True)  # loaded (or failed): the RAM copy goes now
             size = sum(t.numel() * t.element_size() for t in tensors.values())
             return WeightUpdateStats(version, mode, time.perf_counter() - t0, pause_s, size)
+
+    # ----------------------------------------------------------------------------------- the collective path
+    async def join_weight_group(self, port: int, rank_offset: int, world_size: int, backend: str,
+                                timeout_s: float, generation: int) -> list[int]:
+        """Make this engine's workers members of the learner's broadcast group (``async_agent_rl.weight_group``);
+        returns their ranks. Returns when every member has joined."""
+        return await self.llm.collective_rpc("join_weight_group", kwargs=dict(
+            port=port, rank_offset=rank_offset, world_size=world_size, backend=backend, timeout_s=timeout_s,
+            generation=generation))
+
+    def check_weight_specs(self, specs: Sequence[tuple[str, str, Sequence[int]]]) -> None:
+        """``check_weights`` on a publish's ``(name, dtype, shape)`` list, before anything is sent."""
+        import torch
+
+        malformed = [f"{name}: dtype {dtype!r}, shape {shape!r}" for name, dtype, shape in specs
+                     if not isinstance(getattr(torch, str(dtype), None), torch.dtype) or any(int(n) < 0 for n in shape)]
+        if malformed:
+            raise WeightsError("weight update refused, weights and version unchanged: malformed specs, e.g. "
+                               + "; ".join(malformed[:3]))
+        tensors = {name: torch.empty(tuple(shape), dtype=getattr(torch, dtype), device="meta")
+                   for name, dtype, shape in specs}
+        check_weights(tensors, self._params, self._aliases)
+
+    async def update_weights_collective(self, version: int, specs: Sequence[tuple[str, str, Sequence[int]]],
+                                        mode: str = "pause") -> WeightUpdateStats:
+        """The collective path: pause, receive the learner's broadcast of ``specs`` in the workers and reload it
+        in place, stamp ``version``, resume. The specs must have passed ``check_weight_specs`` on every engine
+        before the learner sends (``learner.weight_sync.CollectivePublisher`` does that)."""
+        _check_mode(mode)
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            pause_s = await self._paused_reload(version, mode, "receive_policy_weights", {"specs": list(specs)})
+            size = sum(int(np.prod(shape)) * _itemsize(dtype) for _, dtype, shape in specs)
+            return WeightUpdateStats(version, mode, time.perf_counter() - t0, pause_s, size)
+
+    async def _paused_reload(self, version: int, mode: str, method: str, kwargs: dict) -> float:
+        """Freeze the scheduler, run the workers' reload ``method``, stamp ``version``, resume; returns the
+        seconds paused. ``pause`` mode clears the KV and prefix caches (see the module docstring)."""
+        tp = time.perf_counter()
+        await self.llm.pause_generation(mode="keep", clear_cache=mode == "pause")
+        try:
+            await self.llm.collective_rpc(method, kwargs=kwargs)
+            await self.llm.update_weight_version(str(version))
+            self.version = version
+            self._inflight_updates += mode == "inflight"
+        finally:
+            await self.llm.resume_generation()
+        return time.perf_counter() - tp
 
     async def close(self) -> None:
         self.llm.shutdown()
@@ -302,6 +345,17 @@ class VLLMEngine:
         # (a "'NoneType' object is not callable" traceback): the engine is down, make that second call a no-op.
         self.llm.shutdown = lambda *args, **kwargs: None
         self.llm = None
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in ("pause", "inflight"):
+        raise ValueError(f"weight update mode {mode!r}; allowed: pause, inflight")
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _expand_versions(spans: Any, n: int, fallback: int) -> list[int]:

@@ -1,7 +1,8 @@
 """Ray actor shell around ``RolloutWorker``: one vLLM engine per actor, episodes pushed to the buffer actor.
 
 The shell only wires Ray to the plain classes: admission and pushes go to the buffer actor (batched), weights
-arrive from the learner as a Ray object (zero-copy numpy arrays) and go to the engine's reload. Resources come
+arrive from the learner as a Ray object (zero-copy numpy arrays) and go to the engine's reload, or, on the
+collective path, straight into the engine's workers by the learner's broadcast. Resources come
 from ``cluster.rollout_actor_cpus`` / ``rollout_actor_gpus`` where the actor is created (``create_rollout_actors``).
 """
 
@@ -117,10 +118,33 @@ class RolloutActor:
         if not hasattr(self, "engine"):
             self._pending = (version, weights)
             return {"version": version, "seconds": 0.0, "deferred": True}
-        stats = await self.engine.update_weights(version, weights, self.cfg.rollout.weight_update_mode)
-        rec = WeightUpdate(version, time.perf_counter() - t0, stats.pause_seconds, stats.bytes, stats.mode)
+        return self._applied(t0, await self.engine.update_weights(version, weights, self.cfg.rollout.weight_update_mode))
+
+    def _applied(self, t0: float, stats: Any) -> dict:
+        rec = WeightUpdate(stats.version, time.perf_counter() - t0, stats.pause_seconds, stats.bytes, stats.mode)
         self._updates.append(rec)
         return dataclasses.asdict(rec)
+
+    # the collective path (learner.weight_sync.CollectivePublisher): the engine's workers join the learner's group
+    async def join_weight_group(self, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float,
+                                generation: int) -> list[int]:
+        return await self.engine.join_weight_group(port, rank_offset, world_size, backend, timeout_s, generation)
+
+    def check_weight_specs(self, specs: list) -> str | None:
+        """None when this engine takes a publish of ``specs``; otherwise why not (nothing is changed)."""
+        from actors.engine import WeightsError
+
+        try:
+            self.engine.check_weight_specs(specs)
+        except WeightsError as e:
+            return f"rollout actor {self.index}: {e}"
+        return None
+
+    async def update_weights_collective(self, version: int, specs: list) -> dict:
+        """Receive the learner's broadcast of ``specs`` into the engine as ``version``."""
+        t0 = time.perf_counter()
+        mode = self.cfg.rollout.weight_update_mode
+        return self._applied(t0, await self.engine.update_weights_collective(version, specs, mode))
 
     async def evaluate(self, files: list[str], limit: int = 0) -> dict:
         """Greedy episodes on held-out questions with this actor's engine (current weights); scores by source."""

@@ -12,11 +12,16 @@ the head's output was off by 0.48 against the published weights (every other lay
 warm start's with garbled words. ``reload_policy_weights`` re-ties the head to the reloaded embedding and re-packs
 every CPU layer that keeps its weight beside the packed copy, so the engine computes with exactly the published
 weights (tests/integration/test_weight_publish.py compares its log-probs with transformers).
+
+The collective path (``weight_sync.method: collective``) comes through here too: ``join_weight_group`` makes this
+worker a member of the learner's broadcast group (``async_agent_rl.weight_group``), and ``receive_policy_weights``
+receives every tensor of a publish, then reloads them in place exactly as a file would be (same checks downstream,
+same re-tie and re-pack).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 
 class PolicyReloadExtension:
@@ -27,6 +32,35 @@ class PolicyReloadExtension:
         CPU-packed kernels up to date. Returns the number of layers re-packed."""
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         runner.reload_weights(weights_path=weights_path)
+        return refresh_derived_weights(runner.get_model())
+
+    def join_weight_group(self, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float,
+                          generation: int) -> int:
+        """Join the learner's broadcast group as rank ``rank_offset`` + this worker's rank in its engine; returns
+        that rank. A group joined before (a group made again after a restart) is left first."""
+        from async_agent_rl.weight_group import WeightGroup
+
+        self.leave_weight_group()
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._weight_group = WeightGroup(port, rank, world_size, backend, timeout_s, generation=generation)
+        return rank
+
+    def leave_weight_group(self) -> None:
+        group = getattr(self, "_weight_group", None)
+        if group is not None:
+            group.close()
+            self._weight_group = None
+
+    def receive_policy_weights(self, specs: Sequence[tuple[str, str, Sequence[int]]]) -> int:
+        """Receive one publish (every tensor of ``specs``, in order), then reload them in place; returns the number
+        of layers re-packed. Everything is received before loading, so a loader error never leaves the sender
+        blocked halfway."""
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("receive_policy_weights before join_weight_group")
+        received = list(group.receive(specs))
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        runner.reload_weights(weights_iterator=iter(received))
         return refresh_derived_weights(runner.get_model())
 
 

@@ -311,15 +311,20 @@ class LearnerConfig(_Section):
 
 class WeightSyncConfig(_Section):
     every_steps: int = Field(1, ge=1, description="publish weights (bump the version) every k learner steps")
-    method: Literal["object_store", "nccl"] = Field(
-        "object_store", description="nccl is not wired into the rollout engine yet: refused")
+    method: Literal["object_store", "collective"] = Field(
+        "object_store", description="object_store: through Ray's object store (a RAM file into vLLM); collective: "
+        "the learner's rank 0 broadcasts into every engine's workers (learner/weight_sync.py)")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="collective: the process group's backend; auto = gloo on CPU, nccl on GPU")
+    timeout_s: float = Field(300.0, gt=0, description="collective: how long a member waits for the others (joining "
+                                                      "the group, one publish) before it fails")
 
-    @field_validator("method")
+    @field_validator("method", mode="before")
     @classmethod
-    def _wired(cls, value: str) -> str:
+    def _renamed(cls, value: Any) -> Any:
         if value == "nccl":
-            raise ValueError("nccl is not wired yet (learner/weight_sync.py's NCCLPublisher has no engine side); "
-                             "use object_store")
+            raise ValueError("nccl is a backend of the collective method: use weight_sync.method=collective "
+                             "(weight_sync.backend=auto picks nccl on GPU)")
         return value
 
 
@@ -434,6 +439,11 @@ class Config(_Section):
                 f"{self.weight_sync.every_steps - 1} steps off-policy while reporting 0; use every_steps=1 for "
                 "on-policy training"
             )
+        if self.weight_sync.method == "collective" and self.rollout.engine != "vllm":
+            raise ValueError(f"weight_sync.method=collective needs rollout.engine=vllm (the {self.rollout.engine!r} "
+                             "engine has no workers to join the broadcast group); use object_store")
+        if self.weight_sync.method == "collective" and self.weight_sync.backend == "nccl" and self.run.device == "cpu":
+            raise ValueError("weight_sync.backend=nccl needs GPUs (run.device=cpu); use gloo or auto")
         if self.buffer.group_filter != "none" and self.rollout.group_size < 2:
             raise ValueError(
                 f"buffer.group_filter={self.buffer.group_filter!r} needs rollout.group_size >= 2 (got "

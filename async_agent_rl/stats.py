@@ -220,7 +220,8 @@ class DriverStats:
 @dataclass
 class PublishStats:
     """``seconds``: publish call to every actor done (the publish latency); ``put_seconds``: ``ray.put`` (object
-    store) or the broadcasts (NCCL); ``actor_seconds``: each actor's own reload time when it reports one."""
+    store) or the learner's broadcast (collective); ``actor_seconds``: each actor's own reload time when it reports
+    one."""
 
     version: int
     method: str

@@ -44,6 +44,7 @@ from async_agent_rl.errors import InputError
 from async_agent_rl.stats import (
     BufferStats, DriverStats, LearnerStats, LearningStats, PublishStats, RolloutStats, RunTotals,
 )
+from async_agent_rl.weight_group import backend_for
 from buffer.actor import SNAPSHOT_FILE, create_buffer_actor
 from driver.plots import plot_run
 from driver.prepare import prepare
@@ -365,7 +366,9 @@ class Trainer:
             cfg, self.buffer, self.url, actor_model, actor_version, max_restarts=cfg.cluster.max_actor_restarts
         )
         infos = ray.get([a.setup.remote() for a in self.actors])
-        self.publisher = create_publisher(cfg.weight_sync.method, self.actors)
+        self.publisher = create_publisher(cfg.weight_sync.method, self.actors, self.learner,
+                                          backend=backend_for(cfg.run.device, cfg.weight_sync.backend),
+                                          timeout_s=cfg.weight_sync.timeout_s)
         self.log.say(f"[start] buffer, {cfg.learner.num_ranks} learner rank(s), rollout actors {infos}")
 
     def _start_monitoring(self, stack: ExitStack):
@@ -420,7 +423,9 @@ class Trainer:
         publish = None
         if self.step % cfg.weight_sync.every_steps == 0:
             self.version = self.learner.bump_version()
-            self.weights_ref = self.learner.state_dict_ref()
+            # the object-store path keeps the weights it published (a restarted actor gets them); the collective
+            # path sends them from the learner and takes them again for a restarted actor only
+            self.weights_ref = self.learner.state_dict_ref() if cfg.weight_sync.method == "object_store" else None
             try:
                 publish = self.publisher.publish(self.version, self.weights_ref)
             except ray.exceptions.RayError as e:  # a dead or restarted actor: supervise() below restarts it
@@ -495,8 +500,12 @@ class Trainer:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rollout actor {i} did not come back within {self.cfg.cluster.actor_timeout_s} s")
                 time.sleep(1.0)
-        if self.weights_ref is not None:
-            ray.get(actor.update_weights.remote(self.version, self.weights_ref))
+        weights = self.weights_ref
+        if weights is None and self.version > 0:  # the collective path keeps no copy: take the learner's now
+            weights = self.learner.state_dict_ref()
+        if weights is not None:
+            ray.get(actor.update_weights.remote(self.version, weights))
+        self.publisher.member_restarted()  # the collective path makes its group again before the next publish
         ray.get(actor.start.remote())
         self.log.say(f"[fault] rollout actor {i} restarted at version {self.version}; {lost} in-flight episodes lost")
         if self.mon is not None:

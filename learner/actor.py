@@ -11,6 +11,7 @@ ranks together; ``LearnerGroup`` does that and returns rank 0's answer.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,6 +22,7 @@ from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config
 from async_agent_rl.net import free_port
 from async_agent_rl.stats import LearnerStats
+from async_agent_rl.weight_group import WeightGroup, listen_socket, weight_specs
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.learner import Learner
 
@@ -45,6 +47,47 @@ class LearnerActor:
         """Rank 0: the numpy state dict; other ranks: None (they take part in the ZeRO-3 gather only)."""
         state = self.learner.state_dict_for_publish()
         return state if self.learner.rank == 0 else None
+
+    # the collective weight path (learner.weight_sync.CollectivePublisher): rank 0 is the group's sender
+    def open_weight_group(self) -> int:
+        """Rank 0: bind the group's rendezvous socket on loopback; returns its port."""
+        self.close_weight_group()
+        self._listen = listen_socket()
+        return int(self._listen.getsockname()[1])
+
+    def join_weight_group(self, world_size: int, backend: str, timeout_s: float, generation: int) -> None:
+        """Rank 0: make the group as its rank 0; returns when every engine worker has joined."""
+        if self.learner.rank == 0:
+            listen, self._listen = self._listen, None
+            self._group = WeightGroup(int(listen.getsockname()[1]), 0, world_size, backend, timeout_s, listen,
+                                      generation)
+
+    def prepare_publish(self) -> Optional[list]:
+        """Every rank (ZeRO-3 gathers): take the weights to publish; rank 0 keeps them and returns their specs."""
+        state = self.learner.state_dict_for_publish()
+        if self.learner.rank != 0:
+            return None
+        self._prepared = state
+        return weight_specs(state)
+
+    def broadcast_weights(self, specs: list) -> tuple[int, float]:
+        """Rank 0: broadcast the prepared weights (their ``specs`` agreed by every receiver); returns the bytes
+        sent and the seconds it took."""
+        state, self._prepared = self._prepared, None
+        if state is None:
+            raise RuntimeError("broadcast_weights without prepare_publish")
+        t0 = time.perf_counter()
+        return self._group.send(state, specs), time.perf_counter() - t0
+
+    def discard_prepared(self) -> None:
+        self._prepared = None
+
+    def close_weight_group(self) -> None:
+        for attr in ("_group", "_listen"):
+            member = getattr(self, attr, None)
+            if member is not None:
+                member.close()
+            setattr(self, attr, None)
 
     def save_checkpoint(self, directory: str) -> str:
         return str(save_checkpoint(self.learner, directory))
@@ -101,6 +144,27 @@ class LearnerGroup:
         refs = [a.state_dict_for_publish.remote() for a in self.actors]
         ray.wait(refs, num_returns=len(refs), fetch_local=False)
         return refs[0]
+
+    # the collective weight path: see LearnerActor and learner.weight_sync.CollectivePublisher
+    def open_weight_group(self) -> int:
+        return ray.get(self.actors[0].open_weight_group.remote())
+
+    def join_weight_group(self, world_size: int, backend: str, timeout_s: float, generation: int) -> "ray.ObjectRef":
+        """Rank 0's join, not waited for (it returns once the engines have joined too)."""
+        return self.actors[0].join_weight_group.remote(world_size, backend, timeout_s, generation)
+
+    def prepare_publish(self) -> list:
+        return self._all("prepare_publish")[0]
+
+    def broadcast_weights(self, specs: list) -> "ray.ObjectRef":
+        """Rank 0's broadcast, not waited for (it returns once every receiver has taken every tensor)."""
+        return self.actors[0].broadcast_weights.remote(specs)
+
+    def discard_prepared(self) -> None:
+        ray.get(self.actors[0].discard_prepared.remote())
+
+    def close_weight_group(self) -> None:
+        ray.get(self.actors[0].close_weight_group.remote())
 
     def save_checkpoint(self, directory: str | Path) -> str:
         return self._all("save_checkpoint", str(directory))[0]

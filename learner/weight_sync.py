@@ -11,21 +11,22 @@ memory; the actor reloads them into vLLM (``actors.engine.VLLMEngine.update_weig
 dict (e.g. the return value of a learner actor's ``state_dict_for_publish``) is forwarded as it is, so the weights
 never pass through the driver.
 
-``NCCLPublisher`` (``weight_sync.method = "nccl"``, GPU only): the peers' path (verl, OpenRLHF, vLLM's RLHF example).
-Rank 0 of the learner and every vLLM worker form one NCCL group (vLLM's ``StatelessProcessGroup`` +
-``PyNcclCommunicator``, so the learner's own torch.distributed group is untouched); each tensor is broadcast from the
-learner's GPU straight into the workers' GPUs, where ``NCCLWorkerExtension`` (the engine's ``worker_extension_cls``)
-feeds it to the model's ``load_weights``. One RPC per publish, not per parameter. UNTESTED on the project's machines
-(no GPU there); it raises ``RuntimeError`` without CUDA.
+``CollectivePublisher`` (``weight_sync.method = "collective"``): the peers' path (verl, OpenRLHF, vLLM's RLHF
+example). The learner's rank 0 and every vLLM worker of every engine form one process group of their own
+(``async_agent_rl.weight_group``: gloo on CPU, NCCL on GPU, ``weight_sync.backend``), made once at start and again
+after a rollout actor restarts. A publish: every learner rank takes the weights (ZeRO-3 gathers), rank 0 returns
+their ``(name, dtype, shape)`` specs, every engine checks them against its model (a missing, unknown or misshaped
+tensor is refused here, with ``WeightsRefused``, before anything is sent), then each engine pauses and its workers
+receive the broadcast and reload in place (``actors/vllm_worker.py``) while rank 0 sends; the version is stamped as
+on the other path. The weights never pass through the driver, the object store or a file.
 
 Rollout actor contract (methods on the actor handles given to a publisher; sync or async):
 
 - object store: ``update_weights(version, weights: Mapping[str, np.ndarray])`` -> anything with ``seconds``
   (``WeightUpdateStats``) or a dict with ``"seconds"``, or None;
-- NCCL: ``init_weight_update_group(master_address, master_port, rank_offset, world_size)``, forwarded to
-  ``AsyncLLM.collective_rpc("init_weight_update_group", args=...)``, and ``update_weights_nccl(version, specs)``:
-  pause generation, ``collective_rpc("receive_weights", args=(specs,))``, stamp ``version``, reset the prefix cache,
-  resume (as ``VLLMEngine.update_weights`` does around its reload).
+- collective: ``join_weight_group(port, rank_offset, world_size, backend, timeout_s, generation)``,
+  ``check_weight_specs(specs) -> None | str`` (why not) and ``update_weights_collective(version, specs)`` (as
+  ``update_weights``). The learner side is ``learner.actor.LearnerGroup``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ State = Mapping[str, Union[np.ndarray, torch.Tensor]]
 
 class WeightPublisher(Protocol):
     def publish(self, version: int, state: Any) -> PublishStats: ...
+
+    def member_restarted(self) -> None: ...
 
 
 def _nbytes(state: State) -> int:
@@ -64,6 +67,9 @@ class ObjectStorePublisher:
     def __init__(self, actors: Sequence[Any]):
         self.actors = list(actors)
 
+    def member_restarted(self) -> None:
+        """Nothing to do: every publish reaches whoever holds a handle."""
+
     def publish(self, version: int, state: Union[Mapping[str, np.ndarray], "ray.ObjectRef"]) -> PublishStats:
         """Put ``state`` (numpy arrays, or a ref to such a dict) once and wait until every actor has applied it."""
         t0 = time.perf_counter()
@@ -77,89 +83,76 @@ class ObjectStorePublisher:
         return PublishStats(version, self.method, time.perf_counter() - t0, put_s, size, len(self.actors), reported)
 
 
-# ------------------------------------------------------------------------------------------------------ NCCL
-def _nccl_group(master_address: str, master_port: int, rank: int, world_size: int, device: Any):
-    """A ``PyNcclCommunicator`` over a ``StatelessProcessGroup`` (outside torch.distributed's global group)."""
-    # vLLM and NCCL only for the NCCL method on GPUs: the other methods (and CPU runs) never import them
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
-
-    group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
-    return PyNcclCommunicator(group, device=device)
+# ------------------------------------------------------------------------------------------------ collective
+class WeightsRefused(ValueError):
+    """An engine refused a publish's specs (missing, unknown or misshaped tensors): nothing was sent."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+class CollectivePublisher:
+    """Broadcast from the learner's rank 0 (``learner``: a ``LearnerGroup``) into the workers of every engine in
+    ``actors``. ``workers_per_engine``: vLLM workers per engine (its tensor-parallel size); ranks are the learner 0,
+    then engine ``i``'s workers from ``1 + i * workers_per_engine``."""
 
+    method = "collective"
 
-class NCCLWorkerExtension:
-    """vLLM ``worker_extension_cls`` (``"learner.weight_sync.NCCLWorkerExtension"``): mixed into each vLLM worker,
-    whose ``device`` and ``model_runner`` it uses; its methods run through ``collective_rpc``. GPU only, untested here.
-    """
+    def __init__(self, actors: Sequence[Any], learner: Any, *, backend: str, timeout_s: float,
+                 workers_per_engine: int = 1):
+        self.actors, self.learner = list(actors), learner
+        self.backend, self.timeout_s, self.workers_per_engine = backend, timeout_s, workers_per_engine
+        self.generation = 0
+        self.connected = False
 
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                 world_size: int) -> None:
-        """Join the learner's broadcast group as rank ``rank_offset + this worker's rank in its engine``."""
-        from vllm.distributed.parallel_state import get_world_group  # runs inside a vLLM worker only
+    def connect(self) -> None:
+        """Make the group (again): every member leaves the one before and joins the new one."""
+        self.connected = False
+        self.generation += 1
+        world_size = 1 + len(self.actors) * self.workers_per_engine
+        port = self.learner.open_weight_group()
+        sender = self.learner.join_weight_group(world_size, self.backend, self.timeout_s, self.generation)
+        joins = [a.join_weight_group.remote(port, 1 + i * self.workers_per_engine, world_size, self.backend,
+                                            self.timeout_s, self.generation) for i, a in enumerate(self.actors)]
+        ray.get([sender, *joins])
+        self.connected = True
 
-        rank = get_world_group().rank + rank_offset
-        self._weight_group = _nccl_group(master_address, master_port, rank, world_size, self.device)
+    def member_restarted(self) -> None:
+        """A rollout actor came back in a new process: the group is made again before the next publish."""
+        self.connected = False
 
-    def receive_weights(self, specs: Sequence[tuple[str, str, Sequence[int]]]) -> None:
-        """Receive one broadcast per ``(name, dtype, shape)`` in order, streaming them into ``load_weights``."""
-
-        def received():
-            for name, dtype, shape in specs:
-                tensor = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=self.device)
-                self._weight_group.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-                yield name, tensor
-
-        self.model_runner.model.load_weights(weights=received())
-        torch.cuda.synchronize()
-
-
-class NCCLPublisher:
-    """Broadcast from this process (learner rank 0, on ``device``) to every worker of every engine in ``actors``.
-
-    ``workers_per_engine``: vLLM workers per engine (its tensor-parallel size); ranks are learner 0, then engine
-    ``i``'s workers at ``1 + i * workers_per_engine``. UNTESTED on the project's machines (no GPU there).
-    """
-
-    method = "nccl"
-
-    def __init__(self, actors: Sequence[Any], *, master_address: str, master_port: int,
-                 workers_per_engine: int = 1, device: str = "cuda:0"):
-        if not torch.cuda.is_available():
-            raise RuntimeError("NCCLPublisher needs CUDA GPUs for the learner and the engines; "
-                               "use weight_sync.method=object_store on CPU")
-        self.actors = list(actors)
-        self.device = torch.device(device)
-        world_size = 1 + len(self.actors) * workers_per_engine
-        joins = [a.init_weight_update_group.remote(master_address, master_port, 1 + i * workers_per_engine,
-                                                   world_size) for i, a in enumerate(self.actors)]
-        self._group = _nccl_group(master_address, master_port, 0, world_size, self.device)  # rendezvous
-        ray.get(joins)
-
-    def publish(self, version: int, state: State) -> PublishStats:
+    def publish(self, version: int, state: Any = None) -> PublishStats:
+        """Broadcast the learner's current weights as ``version`` (``state`` is not used: the weights go from the
+        learner's rank 0, not from the caller). Raises ``WeightsRefused`` when an engine refuses them."""
+        if not self.connected:
+            self.connect()
         t0 = time.perf_counter()
-        tensors = {name: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v)
-                   for name, v in state.items()}
-        specs = [(name, _dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()]
-        pending = [a.update_weights_nccl.remote(version, specs) for a in self.actors]
-        for t in tensors.values():
-            self._group.broadcast(t.to(self.device).contiguous(), src=0, stream=torch.cuda.current_stream())
-        torch.cuda.synchronize()
-        sent_s = time.perf_counter() - t0
-        results = ray.get(pending)
+        specs = self.learner.prepare_publish()
+        refusals = [r for r in ray.get([a.check_weight_specs.remote(specs) for a in self.actors]) if r]
+        if refusals:
+            self.learner.discard_prepared()
+            raise WeightsRefused("; ".join(refusals))
+        try:
+            pending = [a.update_weights_collective.remote(version, specs) for a in self.actors]
+            sent = self.learner.broadcast_weights(specs)
+            (size, send_s), *results = ray.get([sent, *pending])
+        except BaseException:
+            self.connected = False  # a member failed halfway: the group is made again before the next publish
+            raise
         reported = [s for s in map(_reported_seconds, results) if s is not None]
-        return PublishStats(version, self.method, time.perf_counter() - t0, sent_s, _nbytes(tensors),
-                            len(self.actors), reported)
+        return PublishStats(version, self.method, time.perf_counter() - t0, send_s, int(size), len(self.actors),
+                            reported)
+
+    def close(self) -> None:
+        if self.connected:
+            self.learner.close_weight_group()
+            self.connected = False
 
 
-def create_publisher(method: str, actors: Sequence[Any], **nccl_options: Any) -> WeightPublisher:
-    """``weight_sync.method`` -> publisher. ``nccl_options``: ``NCCLPublisher``'s keyword arguments."""
+def create_publisher(method: str, actors: Sequence[Any], learner: Any = None, **collective: Any) -> WeightPublisher:
+    """``weight_sync.method`` -> publisher. ``learner`` and ``collective`` (``CollectivePublisher``'s keyword
+    arguments): the collective path's."""
     if method == "object_store":
-        return ObjectStorePublisher(actors)
-    if method == "nccl":
-        return NCCLPublisher(actors, **nccl_options)
-    raise ValueError(f"weight_sync.method {method!r}; allowed: object_store, nccl")
+        return ObjectStorePublisher(actors)  # the learner and the collective options play no part
+    if method == "collective":
+        if learner is None:
+            raise ValueError("weight_sync.method collective needs the learner group (its rank 0 sends)")
+        return CollectivePublisher(actors, learner, **collective)
+    raise ValueError(f"weight_sync.method {method!r}; allowed: object_store, collective")

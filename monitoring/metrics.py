@@ -249,7 +249,7 @@ WEIGHT_PUBLISH_SECONDS = _define(
     "one publish, start to every rollout actor having applied it", (), WEIGHT_SECONDS_BUCKETS, field="seconds", source=PublishStats)
 WEIGHT_PUBLISH_PUT_SECONDS = _define(
     "driver", "aar_weight_publish_put_seconds", HISTOGRAM,
-    "the object-store put (or NCCL broadcasts) of one publish", (), WEIGHT_SECONDS_BUCKETS, field="put_seconds", source=PublishStats)
+    "the object-store put (or, collective path, the learner's broadcast) of one publish", (), WEIGHT_SECONDS_BUCKETS, field="put_seconds", source=PublishStats)
 WEIGHT_PUBLISH_BYTES = _define("driver", "aar_weight_publish_bytes", GAUGE, "bytes of the latest publish", field="bytes", source=PublishStats)
 DRIVER_LOST_EPISODES = _define(
     "driver", "aar_driver_lost_episodes_total", COUNTER, "in-flight episodes lost to actor failures", field="lost_episodes", source=DriverStats)

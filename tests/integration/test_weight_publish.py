@@ -18,7 +18,7 @@ from async_agent_rl.batch import pack_batch
 from async_agent_rl.config import Config, build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from learner.learner import Learner
-from learner.weight_sync import NCCLWorkerExtension, ObjectStorePublisher, create_publisher
+from learner.weight_sync import ObjectStorePublisher
 
 pytestmark = pytest.mark.integration
 
@@ -114,12 +114,3 @@ def reference_logprobs(model_dir, state: dict, prompt: list[int], response: list
     with torch.no_grad():
         lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
     return lp[len(prompt) - 1 :].numpy()
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal of the GPU path")
-def test_nccl_path_is_importable_and_refuses_to_run_without_cuda():
-    assert callable(NCCLWorkerExtension.receive_weights)  # what vLLM's worker_extension_cls would load
-    with pytest.raises(RuntimeError, match="object_store"):
-        create_publisher("nccl", [], master_address="127.0.0.1", master_port=1)
-    with pytest.raises(ValueError, match="allowed"):
-        create_publisher("carrier_pigeon", [])

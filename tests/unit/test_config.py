@@ -111,14 +111,18 @@ def test_a_prompt_budget_that_fills_the_context_is_refused():
     load_config(None, ["data.max_prompt_length=1023", "model.max_model_len=1024"])
 
 
-@pytest.mark.parametrize("override, path", [
-    ("rollout.top_p=0.9", "rollout.top_p"), ("rollout.top_k=20", "rollout.top_k"),
-    ("weight_sync.method=nccl", "weight_sync.method"),
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.top_p=0.9"], "rollout.top_p"), (["rollout.top_k=20"], "rollout.top_k"),
+    (["weight_sync.method=nccl"], "weight_sync.method=collective"),
+    (["weight_sync.method=collective", "weight_sync.backend=nccl"], "needs GPUs"),
+    (["weight_sync.method=collective", "rollout.engine=hf"], "needs rollout.engine=vllm"),
 ])  # fmt: skip
-def test_accepted_but_unsupported_settings_are_refused(override, path):
-    """top_p / top_k: the learner recomputes log-probs without the filter; nccl: not wired into the engine."""
-    with pytest.raises(ConfigError, match=path):
-        load_config(None, [override])
+def test_accepted_but_unsupported_settings_are_refused(overrides, match):
+    """top_p / top_k: the learner recomputes log-probs without the filter; nccl: a backend of the collective
+    method, on GPUs only; the collective method needs vLLM's workers."""
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+    load_config(None, ["weight_sync.method=collective"])  # gloo on CPU
 
 
 def test_on_policy_needs_a_publish_every_step():

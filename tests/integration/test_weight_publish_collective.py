@@ -1,0 +1,137 @@
+"""The collective weight path (``weight_sync.method: collective``, gloo on CPU) against the object-store path, on
+REAL parts: a learner rank as a Ray actor (DeepSpeed), two vLLM engines in Ray actors (CPU build). The learner trains
+one response until it is its greedy continuation, then publishes the same version to one engine through the object
+store and to the other by broadcast: both engines then give the same greedy tokens, the same per-token log-probs
+and the same version stamps. A learner whose model does not fit the engines is refused before anything is sent, and
+the engine keeps its weights and version. The group listens on loopback only."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import psutil
+import pytest
+import ray
+
+from actors.engine import TurnRequest, VLLMEngine
+from async_agent_rl.batch import pack_batch
+from async_agent_rl.config import Config, TinyModelConfig, build_config
+from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
+from async_agent_rl.tiny_model import init_tiny_model
+from learner.actor import create_learner_group
+from learner.weight_sync import CollectivePublisher, ObjectStorePublisher, WeightsRefused
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [101, 102, 103, 104]
+TARGET = [501, 502, 503, 504, 505, 506]
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class EngineHost:
+    """A vLLM engine in a Ray actor with the methods both publishers call (as ``RolloutActor`` has them)."""
+
+    async def start(self, model_dir: str, cfg: Config) -> int:
+        self.engine = await VLLMEngine.create(model_dir, cfg)
+        return os.getpid()
+
+    async def update_weights(self, version: int, weights):
+        return await self.engine.update_weights(version, weights, mode="pause")
+
+    async def join_weight_group(self, *args):
+        return await self.engine.join_weight_group(*args)
+
+    def check_weight_specs(self, specs):
+        try:
+            self.engine.check_weight_specs(specs)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    async def update_weights_collective(self, version: int, specs):
+        return await self.engine.update_weights_collective(version, specs, mode="pause")
+
+    async def greedy(self, prompt: list[int], n: int):
+        out = await self.engine.generate(TurnRequest(prompt, max_tokens=n, temperature=0.0, stop=()))
+        return out.token_ids, out.logprobs, out.versions, self.engine.version
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def learner_cfg(model_dir) -> Config:
+    return build_config({
+        "model": {"path": str(model_dir), "max_model_len": 256},
+        "data": {"max_prompt_length": 128},
+        "rollout": {"group_size": 1},
+        "learner": {"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1, "ppo_epochs": 2, "lr": 1e-3},
+        "algorithm": {"advantage_estimator": "grpo", "policy_loss": "decoupled_ppo"},
+        "weight_sync": {"method": "collective"},
+        "cluster": {"learner_cpus": 0.5},
+    })
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"}
+
+
+def test_collective_publish_equals_object_store_publish(tiny_model_dir, tmp_path):
+    cfg = learner_cfg(tiny_model_dir)
+    host_cls = ray.remote(num_cpus=0)(EngineHost).options(runtime_env={"env_vars": VLLM_ENV})
+    by_store, by_broadcast = host_cls.remote(), host_cls.remote()
+    engine_pids = ray.get([h.start.remote(str(tiny_model_dir), cfg) for h in (by_store, by_broadcast)], timeout=300)
+    before = ray.get(by_broadcast.greedy.remote(PROMPT, len(TARGET)))
+    assert before[0] != TARGET
+
+    n = len(TARGET)
+    episode = Trajectory(prompt_ids=PROMPT, response_ids=TARGET, loss_mask=[1] * n, behavior_logprobs=[-8.0] * n,
+                         versions=[0] * n, turns=[TurnSpan("model", 0, n)], reward=1.0, meta=EpisodeMeta())
+    learner = create_learner_group(cfg)
+    for _ in range(6):
+        learner.train_step(pack_batch([episode], pad_id=0))
+    version = learner.bump_version()
+
+    learner_pid = ray.get(learner.actors[0].__ray_call__.remote(lambda actor: os.getpid()))
+    pids = [learner_pid, *engine_pids]
+    ports_before = {pid: listening(pid) for pid in pids}
+    collective = CollectivePublisher([by_broadcast], learner, backend="gloo", timeout_s=60)
+    stats = collective.publish(version)
+    # everything the group opened listens on loopback
+    opened = set().union(*(listening(pid) - ports_before[pid] for pid in pids))
+    assert opened and all(ip == "127.0.0.1" for ip, _ in opened), opened
+    ObjectStorePublisher([by_store]).publish(version, learner.state_dict_ref())
+
+    ids_s, lps_s, versions_s, v_s = ray.get(by_store.greedy.remote(PROMPT, n))
+    ids_b, lps_b, versions_b, v_b = ray.get(by_broadcast.greedy.remote(PROMPT, n))
+    assert ids_s == TARGET and ids_b == ids_s
+    np.testing.assert_allclose(lps_b, lps_s, rtol=0, atol=1e-6)
+    assert versions_b == versions_s == [version] * n and v_b == v_s == version
+    state = ray.get(learner.state_dict_ref())
+    assert stats.method == "collective" and stats.num_actors == 1 and stats.version == version
+    assert stats.bytes == sum(a.nbytes for a in state.values())
+    assert 0 < stats.actor_seconds[0] <= stats.seconds
+
+    # a second publish goes over the same group (made once), the engine follows the learner again
+    learner.train_step(pack_batch([episode], pad_id=0))
+    generation = collective.generation
+    collective.publish(learner.bump_version())
+    assert collective.generation == generation
+    assert ray.get(by_broadcast.greedy.remote(PROMPT, n))[3] == version + 1
+
+    # a learner on a model of another shape: refused by the engine before anything is sent, naming the tensors
+    other_dir = init_tiny_model(tmp_path / "other", TinyModelConfig(vocab_size=2048, intermediate_size=256,
+                                                                     num_hidden_layers=3), tokenizer=tiny_model_dir)
+    other = create_learner_group(learner_cfg(other_dir))
+    wrong = CollectivePublisher([by_broadcast], other, backend="gloo", timeout_s=60)
+    with pytest.raises(WeightsRefused, match=r"unknown parameters.*layers\.2.*mlp.*shape \(256, 128\)"):
+        wrong.publish(version + 2)
+    after = ray.get(by_broadcast.greedy.remote(PROMPT, n))
+    assert after[3] == version + 1 and after[0] == TARGET  # weights and version unchanged

@@ -1,0 +1,110 @@
+"""``CollectivePublisher``'s protocol with its members (fakes of the learner group and the rollout actors, whose
+calls it makes through Ray): the group is made before the first publish and again after a member restarted or a
+publish failed; the specs are agreed by every engine before the learner sends, and a refusal sends nothing."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from learner.weight_sync import CollectivePublisher, WeightsRefused, create_publisher
+
+SPECS = [("embed", "float32", (4, 2))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+class Call:
+    """``handle.method.remote(*args)``: records the call, returns a reference to the answer."""
+
+    def __init__(self, log, name, answer):
+        self.log, self.name, self.answer = log, name, answer
+
+    def remote(self, *args):
+        self.log.append((self.name, args))
+        answer = self.answer(*args) if callable(self.answer) else self.answer
+        if isinstance(answer, Exception):
+            raise answer
+        return ray.put(answer)
+
+
+class FakeActor:
+    def __init__(self, log, refuse=None):
+        self.join_weight_group = Call(log, "join", None)
+        self.check_weight_specs = Call(log, "check", refuse)
+        self.update_weights_collective = Call(log, "update", {"seconds": 0.5})
+
+
+class FakeLearner:
+    def __init__(self, log):
+        self.log = log
+
+    def open_weight_group(self):
+        self.log.append(("open", ()))
+        return 1234
+
+    def join_weight_group(self, *args):
+        return Call(self.log, "learner_join", None).remote(*args)
+
+    def prepare_publish(self):
+        self.log.append(("prepare", ()))
+        return SPECS
+
+    def broadcast_weights(self, specs):
+        return Call(self.log, "send", (32, 0.1)).remote(specs)
+
+    def discard_prepared(self):
+        self.log.append(("discard", ()))
+
+
+def names(log):
+    return [n for n, _ in log]
+
+
+def test_group_made_once_specs_agreed_before_sending():
+    log = []
+    pub = CollectivePublisher([FakeActor(log), FakeActor(log)], FakeLearner(log), backend="gloo", timeout_s=5)
+    stats = pub.publish(1)
+    assert names(log) == ["open", "learner_join", "join", "join", "prepare", "check", "check", "update", "update",
+                          "send"]
+    assert [args for n, args in log if n == "join"] == [(1234, 1, 3, "gloo", 5, 1), (1234, 2, 3, "gloo", 5, 1)]
+    assert stats.bytes == 32 and stats.put_seconds == 0.1 and stats.actor_seconds == [0.5, 0.5]
+    log.clear()
+    pub.publish(2)
+    assert "open" not in names(log) and names(log)[0] == "prepare"
+
+
+def test_a_restarted_member_or_a_failed_publish_makes_the_group_again():
+    log = []
+    actor = FakeActor(log)
+    pub = CollectivePublisher([actor], FakeLearner(log), backend="gloo", timeout_s=5)
+    pub.publish(1)
+    pub.member_restarted()
+    log.clear()
+    pub.publish(2)
+    assert names(log)[:3] == ["open", "learner_join", "join"] and log[2][1][-1] == 2  # generation 2
+    actor.update_weights_collective = Call(log, "update", RuntimeError("engine died"))
+    with pytest.raises(RuntimeError, match="engine died"):
+        pub.publish(3)
+    assert not pub.connected
+
+
+def test_a_refusal_sends_nothing():
+    log = []
+    pub = CollectivePublisher([FakeActor(log), FakeActor(log, refuse="rollout actor 1: missing 1 of 9 parameters")],
+                              FakeLearner(log), backend="gloo", timeout_s=5)
+    with pytest.raises(WeightsRefused, match="rollout actor 1: missing"):
+        pub.publish(1)
+    assert "send" not in names(log) and "update" not in names(log) and names(log)[-1] == "discard"
+
+
+def test_methods_by_name():
+    with pytest.raises(ValueError, match="needs the learner"):
+        create_publisher("collective", [])
+    with pytest.raises(ValueError, match="allowed: object_store, collective"):
+        create_publisher("carrier_pigeon", [])
