@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable
 
 from async_agent_rl.config import WorldConfig
+from async_agent_rl.errors import InputError
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "k", "kr", "l", "m", "n", "p", "r", "s", "st", "t", "tr", "v", "z", "h"]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou", "ei"]
@@ -79,23 +80,33 @@ class World:
 
 
 class _Names:
-    """Unique invented words; no generated word is a substring of another (keeps retrieval and EM unambiguous)."""
+    """Unique invented words; no generated word is a substring of another (keeps retrieval and EM unambiguous).
+
+    When the words of a length run out (one-syllable first names, past about 450 people), that kind of word gets a
+    syllable more from then on; worlds small enough never to run out are generated exactly as before."""
+
+    MAX_EXTRA_SYLLABLES = 3
 
     def __init__(self, rng: random.Random):
         self.rng = rng
         self.used: set[str] = set()
+        self.extra: dict[int, int] = {}  # requested syllables -> syllables added since that length ran out
 
     def word(self, syllables: int) -> str:
-        for _ in range(10_000):
-            w = "".join(
-                self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) + self.rng.choice(_CODAS) for _ in range(syllables)
-            ).capitalize()
-            lw = w.lower()
-            if any(lw in u or u in lw for u in self.used):
-                continue
-            self.used.add(lw)
-            return w
-        raise RuntimeError("name space exhausted: lower the world sizes")
+        while True:
+            n = syllables + self.extra.get(syllables, 0)
+            for _ in range(10_000):
+                w = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) + self.rng.choice(_CODAS)
+                            for _ in range(n)).capitalize()
+                lw = w.lower()
+                if any(lw in u or u in lw for u in self.used):
+                    continue
+                self.used.add(lw)
+                return w
+            if self.extra.get(syllables, 0) >= self.MAX_EXTRA_SYLLABLES:
+                raise InputError(f"the world's names ran out ({len(self.used)} made): lower data.world.num_people, "
+                                 "num_cities, num_companies or num_countries")
+            self.extra[syllables] = self.extra.get(syllables, 0) + 1
 
 
 def describe(e: Entity) -> str:

@@ -61,3 +61,13 @@ def test_cli_writes_search_r1_files(tmp_path):
     assert rows[0].prompt_messages[0]["content"].rstrip().endswith(rows[0].question)
     first = json.loads((tmp_path / "corpus.jsonl").read_text().splitlines()[0])
     assert set(first) == {"id", "contents"} and first["contents"].startswith('"')
+
+
+def test_a_larger_world_gets_longer_names_instead_of_failing():
+    """600 people ran out of one-syllable first names (a RuntimeError before); every name stays unique and no name
+    is a substring of another."""
+    w = generate_world(WorldConfig(seed=11, num_countries=8, num_cities=40, num_people=600, num_companies=90))
+    people = [e.name for e in w.entities.values() if e.kind == "person"]
+    assert len(people) == len(set(people)) == 600
+    words = {part.lower() for name in people for part in name.split()}
+    assert not any(a != b and a in b for a in words for b in words)
