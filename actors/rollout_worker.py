@@ -30,7 +30,7 @@ from actors.lockstep import LockstepEngine, TurnBarrier
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode import EpisodeRunner
 from async_agent_rl.records import Trajectory
-from async_agent_rl.stats import RolloutStats, new_incarnation
+from async_agent_rl.stats import EpisodeCounters, RolloutStats, new_incarnation
 
 log = logging.getLogger(__name__)
 
@@ -71,26 +71,13 @@ async def ignore_lost(group_ids: list[str]) -> None:
 
 
 @dataclass
-class WorkerStats:
+class WorkerStats(EpisodeCounters):
     """The worker's running totals (mutated as episodes end); ``message()`` is the ``RolloutStats`` it reports."""
 
-    started: int = 0
-    finished: int = 0
-    failed: int = 0
-    groups_started: int = 0
-    waves: int = 0  # mode="sync" only
-    pushed: int = 0
-    generated_tokens: int = 0
-    observation_tokens: int = 0
-    searches: int = 0
-    search_errors: int = 0
-    turns: int = 0
-    reward_sum: float = 0.0
     reward_component_sums: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
-    # per question kind (the example's data_source): finished, reward_sum, exact_match_sum, searches
-    by_kind: dict = field(default_factory=dict)
-    failures: Counter = field(default_factory=Counter)  # failed episodes by exception type
+    by_kind: dict = field(default_factory=dict)  # kind -> Counter
+    failures: Counter = field(default_factory=Counter)
     started_at: float = field(default_factory=time.monotonic)
     incarnation: str = field(default_factory=new_incarnation)
 
@@ -110,11 +97,12 @@ class WorkerStats:
 
     def message(self, **actor: Any) -> RolloutStats:
         """These totals as a ``RolloutStats``; ``actor`` sets the actor's own fields (index, version, search, ...)."""
-        totals = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("started_at",)}
+        totals = {f.name: getattr(self, f.name) for f in fields(EpisodeCounters)}
         return RolloutStats(
             **{**totals, "reward_component_sums": dict(self.reward_component_sums),
                "finish_reasons": dict(self.finish_reasons), "failures": dict(self.failures),
                "by_kind": {kind: dict(c) for kind, c in self.by_kind.items()}},
+            incarnation=self.incarnation,
             elapsed_s=time.monotonic() - self.started_at,
             running=self.started - self.finished - self.failed,
             **actor,

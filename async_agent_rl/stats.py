@@ -59,16 +59,10 @@ class WeightUpdate:
 
 
 @dataclass
-class RolloutStats:
-    """One rollout actor: its worker's totals over finished episodes since ``incarnation`` began, and its state."""
+class EpisodeCounters:
+    """A rollout worker's totals over the episodes it ran (``actors.rollout_worker.WorkerStats`` keeps them as
+    episodes end; ``RolloutStats`` reports them)."""
 
-    index: int = 0
-    incarnation: str = ""
-    ready: bool = False  # set up (a restarted actor is not until the driver calls setup())
-    done: bool = False  # its worker's run ended
-    version: int = 0  # policy version of the engine's weights
-    elapsed_s: float = 0.0
-    running: int = 0  # episodes in flight
     started: int = 0
     finished: int = 0
     failed: int = 0
@@ -86,6 +80,19 @@ class RolloutStats:
     # per question kind (data source): finished, reward_sum, exact_match_sum, searches
     by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)  # failed episodes by exception type
+
+
+@dataclass
+class RolloutStats(EpisodeCounters):
+    """One rollout actor: its worker's totals over finished episodes since ``incarnation`` began, and its state."""
+
+    index: int = 0
+    incarnation: str = ""
+    ready: bool = False  # set up (a restarted actor is not until the driver calls setup())
+    done: bool = False  # its worker's run ended
+    version: int = 0  # policy version of the engine's weights
+    elapsed_s: float = 0.0
+    running: int = 0  # episodes in flight
     search: SearchStats = field(default_factory=SearchStats)
     weight_updates: list[WeightUpdate] = field(default_factory=list)  # the latest few
 
