@@ -44,7 +44,8 @@ Finite training: a step whose policy loss or gradient norm (critic's too) is not
 parameter. The run stops there; nothing non-finite is published or saved, so the last checkpoint on disk is the
 last good policy.
 
-Metrics of ``train_step`` (``LearnerStats``, this rank's rows; losses are the mini-batch aggregates averaged over updates):
+Metrics of ``train_step`` (``LearnerStats``, over the whole batch on every rank, as one rank reports them; losses are
+the mini-batch aggregates averaged over updates):
 
 =====================  =================================================================================
 key                    meaning
@@ -279,6 +280,26 @@ class _Metrics:
                 self._sum[key] = self._sum.get(key, 0.0) + weight * value
                 self._weight[key] = self._weight.get(key, 0.0) + weight
 
+    def all_reduce(self, world_size: int, device: torch.device) -> None:
+        """Fold in every other rank's micro-batches: sums and weights added, ``MAX_METRICS`` maxed, so ``result``
+        describes the whole batch, as one rank training on all of it reports. A collective: call on every rank, which
+        all hold the same keys (the configuration decides them, not the data)."""
+        if world_size == 1:
+            return
+        keys = sorted(self._sum)
+        means = [k for k in keys if k not in MAX_METRICS]
+        maxes = [k for k in keys if k in MAX_METRICS]
+        if means:
+            t = torch.tensor([[self._sum[k], self._weight[k]] for k in means], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+            for k, (total, weight) in zip(means, t.tolist()):
+                self._sum[k], self._weight[k] = total, weight
+        if maxes:
+            t = torch.tensor([self._sum[k] for k in maxes], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            for k, value in zip(maxes, t.tolist()):
+                self._sum[k] = value
+
     def result(self) -> dict[str, float]:
         return {k: self._sum[k] / self._weight[k] if self._weight[k] else 0.0 for k in self._sum}
 
@@ -414,6 +435,7 @@ class Learner:
             for mini in self._mini_batches(w, epoch):
                 self._train_mini_batch(w, mini, targets, metrics)
         self.step += 1
+        metrics.all_reduce(self.world_size, self.device)  # the whole batch's metrics on every rank, not this rank's rows
         out = self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0, batch.min_versions())
         checked = ("policy_loss", "grad_norm", "value_loss", "critic_grad_norm")
         require_finite(self.step, "loss or gradient norm", ((k, out[k]) for k in checked if k in out))

@@ -1,6 +1,7 @@
 """Two learner ranks as two real Ray actors (DeepSpeed ZeRO-2, gloo on CPU): identical parameters on both ranks
-after training, and the same parameters as one rank training on the whole batch (data parallelism changes how the
-work is split, not the update)."""
+after training, and the same parameters and the same step metrics (losses, entropy, clip and importance-weight
+statistics over the whole batch) as one rank training on the whole batch (data parallelism changes how the work is
+split, not the update, nor what is reported about it)."""
 
 from __future__ import annotations
 
@@ -61,8 +62,7 @@ def test_two_ranks_train_identical_parameters(tiny_model_dir):
     tree["learner"]["num_ranks"] = 1
     single = Learner(build_config(tree))
     initial = single.state_dict_for_publish()
-    for _ in range(3):
-        single.train_step(batch)
+    single_metrics = [single.train_step(batch) for _ in range(3)]
     alone = single.state_dict_for_publish()
     assert any(not np.array_equal(initial[n], alone[n]) for n in alone)
     # The same update up to float sums in another order. Adam divides by the gradient's running RMS, so where a
@@ -73,3 +73,12 @@ def test_two_ranks_train_identical_parameters(tiny_model_dir):
         diff = np.abs(rank0[name] - value)
         assert diff.max() < 0.1 * lr_total, (name, float(diff.max()))
         assert (diff > 1e-5).mean() < 1e-3, (name, float((diff > 1e-5).mean()))
+
+    # What each step reports is about the whole batch, not rank 0's half of it. Before the learner reduced its
+    # metrics over the ranks, rank 0's policy_loss, entropy, clip and importance-weight statistics covered only its own
+    # rows (here the reward-0 rows 0 and 2: another loss altogether).
+    for step, (two, one) in enumerate(zip(metrics, single_metrics), 1):
+        for key in ("policy_loss", "entropy", "approx_kl", "clip_frac", "iw_mean", "iw_max", "iw_capped_frac",
+                    "behavior_kl", "grad_norm", "reward_mean", "advantage_mean", "loss_tokens", "staleness_max"):
+            a, b = getattr(two, key), getattr(one, key)
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-6), (step, key, a, b)
