@@ -1,6 +1,7 @@
 """Two rollout actors and two learner ranks in one REAL training run: Ray, two vLLM CPU engines, the BM25 server, the
-buffer actor, two DeepSpeed ZeRO-3 learner ranks (gloo) and weight publishing through the object store, driven by
-``driver.train.Trainer``. Everything checked is what the run produced; a test-side ``Trainer`` subclass records what
+buffer actor, two DeepSpeed ZeRO-3 learner ranks (gloo) and collective weight publishing (``weight_sync.method:
+collective``: learner rank 0 broadcasts into both engines' workers over gloo; every other training test publishes
+through the object store), driven by ``driver.train.Trainer``. Everything checked is what the run produced; a test-side ``Trainer`` subclass records what
 passes through the driver (the batch object the buffer handed to the ranks, the weights the ranks held just before
 each step, every published state, the publishers' and actors' own reports), without changing any of it.
 
@@ -120,9 +121,14 @@ class RecordingLearnerGroup(LearnerGroup):
         return version
 
     def state_dict_ref(self):
-        ref = super().state_dict_ref()  # the driver publishes this reference
+        ref = super().state_dict_ref()  # the object-store path publishes this reference
         self.rec.published[self.rec.bumped[-1]] = owned(ray.get(ref))
         return ref
+
+    def prepare_publish(self):
+        # the collective path: the ranks take the weights rank 0 then broadcasts; record the same state
+        self.rec.published[self.rec.bumped[-1]] = owned(ray.get(LearnerGroup.state_dict_ref(self)))
+        return super().prepare_publish()
 
 
 class RecordingBufferActor(BufferActor):
@@ -150,6 +156,9 @@ class RecordingPublisher:
         self.rec.publishes.append(stats)
         return stats
 
+    def member_restarted(self) -> None:
+        self.inner.member_restarted()
+
 
 def recording_trainer(cfg, rec: Recording):
     from driver.train import Trainer
@@ -158,6 +167,8 @@ def recording_trainer(cfg, rec: Recording):
         def start_components(self, stack) -> None:
             super().start_components(stack)
             self.learner = RecordingLearnerGroup(self.learner.actors, rec)
+            if hasattr(self.publisher, "learner"):  # the collective path sends from the (recording) learner group
+                self.publisher.learner = self.learner
             self.publisher = RecordingPublisher(self.publisher, rec)
 
         def stop_rollouts(self) -> list[RolloutStats]:
@@ -195,6 +206,7 @@ def test_two_actors_two_ranks_every_version_everywhere_bounded_staleness_single_
         "learner.num_ranks=2", "learner.zero_stage=3", f"learner.total_steps={STEPS}", f"learner.lr={LR}",
         "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=4",
         f"buffer.max_staleness={ETA}", "buffer.group_filter=none", "weight_sync.every_steps=1",
+        "weight_sync.method=collective",
         "rollout.weight_update_mode=pause",  # a publish inside a turn recomputes its cache: exact per-token versions
         "cluster.rollout_actor_cpus=0.5", "cluster.learner_cpus=0.5",
         # graded rewards (searching, reading the answer, the tag format) so every batch has an advantage spread: the
@@ -222,7 +234,8 @@ def check_every_actor_got_every_version(rec: Recording, rows: list[dict], weight
     final = STEPS
     # each publish went to both actors, and both reported applying it
     assert [p.version for p in rec.publishes] == list(range(1, STEPS + 1))
-    assert all(p.num_actors == 2 and len(p.actor_seconds) == 2 for p in rec.publishes), rec.publishes
+    assert all(p.method == "collective" and p.num_actors == 2 and len(p.actor_seconds) == 2
+               for p in rec.publishes), rec.publishes
     assert [r["publish"]["publish_version"] for r in rows] == [float(v) for v in range(1, STEPS + 1)]
     # each actor's engine applied every version, in order, and ends at the learner's final version
     actors = sorted(rec.final_rollout, key=lambda s: s.index)
