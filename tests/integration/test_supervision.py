@@ -17,6 +17,7 @@ from async_agent_rl.config import load_config
 from async_agent_rl.stats import RolloutStats
 from buffer.actor import create_buffer_actor
 from driver.train import Trainer
+from learner.weight_sync import create_publisher
 from tests.unit.test_replay_buffer import traj
 
 pytestmark = pytest.mark.integration
@@ -71,6 +72,7 @@ def test_a_slow_actor_is_killed_before_it_is_set_up_again(tmp_path):
     trainer.buffer = create_buffer_actor(cfg, pad_id=0)
     actor_cls = ray.remote(num_cpus=0, max_restarts=1)(SlowFirstIncarnation)
     trainer.actors = [actor_cls.remote(0, str(tmp_path / "incarnated"))]
+    trainer.publisher = create_publisher("object_store", trainer.actors)  # a restarted actor is reported to it
     slow = trainer.actors[0]
     first_pid = ray.get(slow.setup.remote())["pid"]
     assert ray.get(trainer.buffer.try_start.remote(2, 0, "actor0-g", "actor0")) == 2
