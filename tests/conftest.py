@@ -59,13 +59,14 @@ def qwen_tokenizer():
 @pytest.fixture(scope="session")
 def qwen_model_dir(qwen_tokenizer, tmp_path_factory) -> Path:
     """A tiny random Qwen2 model (hidden 64, 2 layers, ~10M parameters, nearly all of them the tied 151k-row
-    embedding) on the real Qwen tokenizer, saved with its files and chat template."""
+    embedding) on the real Qwen tokenizer, saved with its files and chat template. Two heads of 32: vLLM's CPU
+    attention has no kernel for a head size of 16 (``Unsupported CPU attention configuration: head_dim=16``)."""
     from async_agent_rl.config import TinyModelConfig
     from async_agent_rl.tiny_model import init_tiny_model
 
     out = tmp_path_factory.mktemp("qwen_model")
-    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=1024)
+    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, max_position_embeddings=1024)
     init_tiny_model(out, cfg, tokenizer=qwen_tokenizer)
     return out
 
