@@ -1,10 +1,11 @@
-"""``async-agent-rl bench learning`` end to end: for two seeds, a world, a tiny model and a warm start each, a real
+"""``async-agent-rl bench learning`` end to end for one seed: its own world, tiny model and warm start, a real
 2-step RL training (Ray, vLLM CPU, DeepSpeed, BM25 server) and a real SFT-only arm (``bench continue-sft`` for RL's
-training time, then ``eval``), and a report with both arms of every seed.
+training time, then ``eval``), and a report with both arms.
 
-Small worlds, tiny warm starts, 2 RL steps, 8 held-out questions; still eight child processes (a warm start, a
-training, a continuation and an evaluation per seed), each paying its start-up: 7 minutes on the 2 shared cores at a
-load of 3-17, over 10 at 15-20, hence the longer timeout."""
+One seed, not several: every seed runs the same four child processes (a warm start, a training, a continuation and
+an evaluation, each paying its start-up, about 2 minutes in all on 2 cores), and what differs between seeds is
+checked without them in tests/unit/test_bench.py (each seed's own world, model and seeds; the mean and standard error
+over seed rows). Seed 1 rather than 0, so that the seed reaching every config is not the default."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ SMALL = [
 
 def bench(out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "driver.cli", "bench", "learning", "--config", "configs/quickstart.yaml",
-           "--seeds", "0,1", "--steps", "2", "--eval-every", "2", "--out", str(out), *extra, *SMALL]  # fmt: skip
+           "--seeds", "1", "--steps", "2", "--eval-every", "2", "--out", str(out), *extra, *SMALL]  # fmt: skip
     env = dict(os.environ)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
 
@@ -44,15 +45,13 @@ def test_learning_bench_runs_both_arms_per_seed_and_reports_them(tmp_path):
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
 
     report = json.loads((out / "report.json").read_text())
-    assert sorted(report["arms"]) == ["seed0-rl", "seed0-sft", "seed1-rl", "seed1-sft"]
-    assert [r["seed"] for r in report["seeds"]] == [0, 1]
-    worlds = set()
+    assert sorted(report["arms"]) == ["seed1-rl", "seed1-sft"]
+    assert [r["seed"] for r in report["seeds"]] == [1]
     for row in report["seeds"]:
         s = row["seed"]
         rl_cfg = yaml.safe_load((out / f"seed{s}-rl" / "config.yaml").read_text())
         assert rl_cfg["data"]["world"]["seed"] == s and rl_cfg["learner"]["seed"] == s
         assert rl_cfg["data"]["world"]["num_people"] == 60  # the command line's sizes reach every world
-        worlds.add((out / "worlds" / f"seed_{s}" / "corpus.jsonl").read_text())
         # both arms start from the seed's own warm start, made on its own world
         assert rl_cfg["model"]["path"] == row["warm_start"] == report["arms"][f"seed{s}-sft"]["warm_start"]
         ws_inputs = json.loads((Path(row["warm_start"]) / "warm_start_inputs.json").read_text())
@@ -69,10 +68,9 @@ def test_learning_bench_runs_both_arms_per_seed_and_reports_them(tmp_path):
         assert everything["em_sft"] == scores["all"]["exact_match"] and scores["all"]["n"] == 8
         for kind in row["kinds"].values():
             assert all(math.isfinite(v) for v in kind.values())
-    assert len(worlds) == 2  # two different worlds
 
     summary = report["summary"]["kinds"]["all"]
-    assert summary["em_rl"]["n"] == 2 and math.isfinite(summary["gain_rl"]["se"])
+    assert summary["em_rl"]["n"] == 1 and summary["em_rl"]["mean"] == report["seeds"][0]["kinds"]["all"]["em_rl"]
     md = (out / "report.md").read_text()
     assert "## all questions" in md and md.count("| **mean ± s.e.** |") == len(report["summary"]["kinds"])
     assert (out / "learning_curves.png").stat().st_size > 1000 and (out / "learning_bars.png").stat().st_size > 1000
@@ -80,4 +78,4 @@ def test_learning_bench_runs_both_arms_per_seed_and_reports_them(tmp_path):
     # a second invocation reuses all four arms
     again = bench(out)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("finished run present") == 4
+    assert again.stdout.count("finished run present") == 2
