@@ -704,6 +704,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                  "); every other arm changes one key. One seed per arm: differences of a few points of exact match "
                  "are within run-to-run noise at this scale.")
     report = write_report(kind, runs, out, command, extra)
+    return _finish(report, runs)
+
+
+def _finish(report: Path, runs: Sequence[ArmRun]) -> int:
+    """Print the report; exit 1 naming the arms that failed, 0 when none did."""
     print(report.read_text())
     failed = [r.arm.name for r in runs if r.error]
     if failed:
@@ -744,12 +749,7 @@ def cmd_learning(args: argparse.Namespace) -> int:
         if not sft.error:
             rows.append(seed_row(seed, rl, sft))
     report = write_learning_report(rows, runs, out, _command(args))
-    print(report.read_text())
-    failed = [r.arm.name for r in runs if r.error]
-    if failed:
-        print(f"error: arms failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return _finish(report, runs)
 
 
 def cmd_continue_sft(args: argparse.Namespace) -> int:

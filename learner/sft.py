@@ -321,6 +321,21 @@ def train_on_batches(
     return losses, tokens, loss_tokens
 
 
+def _start(model_dir: str | Path, out_dir: str | Path, seed: int) -> tuple[Path, Any, Any, int]:
+    """Seed Python and torch, make ``out_dir``, load the tokenizer and a float32 model from ``model_dir``; returns
+    them with the padding id (the EOS id where the tokenizer has no padding token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return out, tokenizer, model, pad_id
+
+
 def run_sft(
     cfg: Config,
     model_dir: str | Path,
@@ -353,8 +368,6 @@ def run_sft(
     ``single_hop_demos``, ``bridge_demos``, ``demo_failures``, ``loss_tokens``, ``tokens`` (non-padding SFT tokens),
     ``tokens_per_s`` (SFT), ``seconds`` (both stages), ``pretrain_seconds``, ``demo_seconds``, ``out_dir``.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from async_agent_rl.data.corpus import read_corpus
     from learner.demos import DemoReport
 
@@ -362,13 +375,7 @@ def run_sft(
     pretrain_steps = s.pretrain_steps if pretrain_steps is None else pretrain_steps
     if freeze_entity_embeddings is None:
         freeze_entity_embeddings = pretrain_steps > 0
-    random.seed(s.seed)
-    torch.manual_seed(s.seed)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out, tokenizer, model, pad_id = _start(model_dir, out_dir, s.seed)
 
     t0 = time.perf_counter()
     report = DemoReport()
@@ -469,20 +476,12 @@ def continue_sft(
     training), ``demo_s``, ``wall_s``, ``steps``, ``rounds``, ``demos``, ``frozen_rows``, ``first_loss``,
     ``final_loss``, ``tokens``) into ``out_dir`` and returns the summary.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from async_agent_rl.data.corpus import read_corpus
 
     if seconds <= 0:
         raise ValueError(f"the time budget must be > 0 seconds, got {seconds}")
     s = cfg.sft
-    random.seed(s.seed)
-    torch.manual_seed(s.seed)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(warm_start_dir)
-    model = AutoModelForCausalLM.from_pretrained(warm_start_dir, dtype=torch.float32)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out, tokenizer, model, pad_id = _start(warm_start_dir, out_dir, s.seed)
     frozen: list[int] = []
     if s.pretrain_steps > 0:  # frozen as in run_sft: names are frozen only after pretraining
         frozen = entity_token_ids(tokenizer, [p.title for p in read_corpus(cfg.data.corpus_file)])
