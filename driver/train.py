@@ -294,6 +294,7 @@ class Trainer:
         self.policy_path = cfg.model.path
         self.version = 0
         self.step = 0
+        self.published_step = 0  # the learner step whose weights are version ``self.version``
         self.history: list[dict] = []
         self.weights_ref = None  # the last published weights (a restarted actor gets them)
         self.restarts: dict[str, int] = {}
@@ -369,7 +370,16 @@ class Trainer:
         self.publisher = create_publisher(cfg.weight_sync.method, self.actors, self.learner,
                                           backend=backend_for(cfg.run.device, cfg.weight_sync.backend),
                                           timeout_s=cfg.weight_sync.timeout_s)
+        stack.callback(self._close_publisher)
         self.log.say(f"[start] buffer, {cfg.learner.num_ranks} learner rank(s), rollout actors {infos}")
+
+    def _close_publisher(self) -> None:
+        """The learner's side of the collective path's group, released before Ray shuts down (a learner that is
+        already gone has nothing left to release)."""
+        try:
+            self.publisher.close()
+        except ray.exceptions.RayError:
+            pass
 
     def _start_monitoring(self, stack: ExitStack):
         """One exporter for the run (driver-side view of every component) plus the retriever's own /metrics, both
@@ -422,7 +432,7 @@ class Trainer:
         self.step = metrics.step
         publish = None
         if self.step % cfg.weight_sync.every_steps == 0:
-            self.version = self.learner.bump_version()
+            self.version, self.published_step = self.learner.bump_version(), self.step
             # the object-store path keeps the weights it published (a restarted actor gets them); the collective
             # path sends them from the learner and takes them again for a restarted actor only
             self.weights_ref = self.learner.state_dict_ref() if cfg.weight_sync.method == "object_store" else None
@@ -500,12 +510,21 @@ class Trainer:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rollout actor {i} did not come back within {self.cfg.cluster.actor_timeout_s} s")
                 time.sleep(1.0)
-        weights = self.weights_ref
-        if weights is None and self.version > 0:  # the collective path keeps no copy: take the learner's now
-            weights = self.learner.state_dict_ref()
+        weights, republish = self.weights_ref, False
+        if weights is None and self.version > 0:  # the collective path keeps no copy of what it published
+            if self.step == self.published_step:  # the learner's weights are still those of self.version
+                weights = self.learner.state_dict_ref()
+            else:  # it stepped since (weight_sync.every_steps > 1): they are no published version, publish them
+                republish = True
         if weights is not None:
             ray.get(actor.update_weights.remote(self.version, weights))
         self.publisher.member_restarted()  # the collective path makes its group again before the next publish
+        if republish:
+            self.version, self.published_step = self.learner.bump_version(), self.step
+            try:
+                self.publisher.publish(self.version)  # every actor, the restarted one included
+            except ray.exceptions.RayError as e:  # the next supervise() sees to a member that failed it
+                self.log.say(f"[fault] weight publish after the restart failed: {type(e).__name__}")
         ray.get(actor.start.remote())
         self.log.say(f"[fault] rollout actor {i} restarted at version {self.version}; {lost} in-flight episodes lost")
         if self.mon is not None:
@@ -616,6 +635,7 @@ class Trainer:
         state = json.loads((ckpt / DRIVER_STATE).read_text())
         check_model_matches(ckpt, self.policy_path)
         self.step, self.version = self.learner.load_checkpoint(ckpt)  # the learner owns both
+        self.published_step = self.step  # the actors start from this checkpoint's policy, stamped its version
         ray.get(self.buffer.restore.remote(str(ckpt / SNAPSHOT_FILE)))
         self.restarts, self.lost_episodes = state["restarts"], state["lost_episodes"]
         metrics = self.run_dir / "metrics.jsonl"

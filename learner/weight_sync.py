@@ -48,6 +48,8 @@ class WeightPublisher(Protocol):
 
     def member_restarted(self) -> None: ...
 
+    def close(self) -> None: ...
+
 
 def _nbytes(state: State) -> int:
     return sum(int(v.nbytes) if isinstance(v, np.ndarray) else v.numel() * v.element_size() for v in state.values())
@@ -69,6 +71,9 @@ class ObjectStorePublisher:
 
     def member_restarted(self) -> None:
         """Nothing to do: every publish reaches whoever holds a handle."""
+
+    def close(self) -> None:
+        """Nothing to release: the object store frees what no one refers to."""
 
     def publish(self, version: int, state: Union[Mapping[str, np.ndarray], "ray.ObjectRef"]) -> PublishStats:
         """Put ``state`` (numpy arrays, or a ref to such a dict) once and wait until every actor has applied it."""
@@ -125,7 +130,11 @@ class CollectivePublisher:
             self.connect()
         t0 = time.perf_counter()
         specs = self.learner.prepare_publish()
-        refusals = [r for r in ray.get([a.check_weight_specs.remote(specs) for a in self.actors]) if r]
+        try:
+            refusals = [r for r in ray.get([a.check_weight_specs.remote(specs) for a in self.actors]) if r]
+        except BaseException:
+            self.learner.discard_prepared()  # rank 0 would keep a whole copy of the weights until the next publish
+            raise
         if refusals:
             self.learner.discard_prepared()
             raise WeightsRefused("; ".join(refusals))
@@ -141,9 +150,11 @@ class CollectivePublisher:
                             reported)
 
     def close(self) -> None:
-        if self.connected:
+        """Release the learner's side of the group, connected or not (a broken group is released too); the engines'
+        sides go with their actors."""
+        self.connected = False
+        if self.generation:
             self.learner.close_weight_group()
-            self.connected = False
 
 
 def create_publisher(method: str, actors: Sequence[Any], learner: Any = None, **collective: Any) -> WeightPublisher:

@@ -1,6 +1,7 @@
 """The driver's supervision on real Ray: a rollout actor that stops answering (slow, not dead) is killed and
 restarted by Ray before it is set up again, never set up a second time while it still runs; its in-flight episodes
-are counted lost and a push it sends late is dropped, not charged to another actor."""
+are counted lost and a push it sends late is dropped, not charged to another actor. On the collective weight path a
+restarted actor never gets weights stamped with a version they are not (``weight_sync.every_steps > 1``)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,71 @@ def test_a_slow_actor_is_killed_before_it_is_set_up_again(tmp_path):
     ray.get(trainer.buffer.push_many.remote([traj("actor1-g", 0), traj("actor1-g", 1)]))
     b = ray.get(trainer.buffer.stats.remote())
     assert b.late_pushes == 1 and b.admission.running == 0 and b.lost_episodes == {"actor0": 2}
+
+
+class Restartable:
+    """Rollout actor stand-in that records the weights it is given (``update_weights``) and when it starts."""
+
+    def __init__(self):
+        self.updates, self.started = [], False
+
+    def setup(self) -> dict:
+        return {}
+
+    def update_weights(self, version, weights) -> None:
+        self.updates.append((version, weights))
+
+    def start(self) -> None:
+        self.started = True
+
+    def seen(self) -> tuple[list, bool]:
+        return self.updates, self.started
+
+
+class StandInLearner:
+    """The learner group's calls a restart makes on the collective path: its step's weights, and the version bump."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def state_dict_ref(self):
+        return {"weights_of_version": self.version}
+
+    def bump_version(self) -> int:
+        self.version += 1
+        return self.version
+
+
+class RecordingPublisher:
+    def __init__(self):
+        self.published, self.restarted = [], 0
+
+    def member_restarted(self) -> None:
+        self.restarted += 1
+
+    def publish(self, version, state=None):
+        self.published.append(version)
+
+
+@pytest.mark.parametrize("step, republished", [(4, False), (5, True)])
+def test_a_restart_on_the_collective_path_never_stamps_unpublished_weights(tmp_path, step, republished):
+    """The collective path keeps no copy of the published weights: a restarted actor takes the learner's. With
+    ``weight_sync.every_steps=2`` the learner at step 5 holds weights no version was published for (version 2 is
+    step 4's), so they are published as version 3 to every actor instead of reaching one stamped 2."""
+    cfg = load_config(None, ["weight_sync.method=collective", "weight_sync.every_steps=2", "buffer.max_staleness=2"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
+    trainer.mon = None
+    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
+    trainer.actors = [ray.remote(num_cpus=0)(Restartable).remote()]
+    trainer.learner, trainer.publisher = StandInLearner(version=2), RecordingPublisher()
+    trainer.version, trainer.published_step, trainer.step = 2, 4, step
+
+    trainer._restart_actor(0)
+    updates, started = ray.get(trainer.actors[0].seen.remote())
+    assert started and trainer.publisher.restarted == 1
+    if republished:
+        assert updates == [] and trainer.publisher.published == [3] and trainer.version == 3
+        assert trainer.published_step == 5
+    else:  # the learner's weights are version 2's
+        assert updates == [(2, {"weights_of_version": 2})] and trainer.publisher.published == []
+        assert trainer.version == 2

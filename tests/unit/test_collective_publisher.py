@@ -33,6 +33,19 @@ class Call:
         return ray.put(answer)
 
 
+@ray.remote
+def _fails(message):
+    raise RuntimeError(message)
+
+
+class FailingCall(Call):
+    """A call that is accepted and fails where it runs: the error comes through ``ray.get``."""
+
+    def remote(self, *args):
+        self.log.append((self.name, args))
+        return _fails.remote(self.answer)
+
+
 class FakeActor:
     def __init__(self, log, refuse=None):
         self.join_weight_group = Call(log, "join", None)
@@ -60,6 +73,9 @@ class FakeLearner:
 
     def discard_prepared(self):
         self.log.append(("discard", ()))
+
+    def close_weight_group(self):
+        self.log.append(("close", ()))
 
 
 def names(log):
@@ -92,6 +108,33 @@ def test_a_restarted_member_or_a_failed_publish_makes_the_group_again():
     with pytest.raises(RuntimeError, match="engine died"):
         pub.publish(3)
     assert not pub.connected
+    actor.update_weights_collective = FailingCall(log, "update", "engine died while receiving")
+    with pytest.raises(ray.exceptions.RayTaskError, match="engine died while receiving"):
+        pub.publish(4)  # the group is made again, the send starts, then the engine's failure comes back
+    assert not pub.connected and names(log)[-2:] == ["update", "send"]
+
+
+def test_a_failed_spec_check_releases_the_prepared_weights():
+    log = []
+    actor = FakeActor(log)
+    actor.check_weight_specs = FailingCall(log, "check", "actor died")
+    pub = CollectivePublisher([actor], FakeLearner(log), backend="gloo", timeout_s=5)
+    with pytest.raises(ray.exceptions.RayTaskError, match="actor died"):
+        pub.publish(1)
+    assert names(log)[-2:] == ["check", "discard"] and "send" not in names(log)
+
+
+def test_close_releases_the_learners_side_even_of_a_broken_group():
+    log = []
+    actor = FakeActor(log)
+    pub = CollectivePublisher([actor], FakeLearner(log), backend="gloo", timeout_s=5)
+    pub.close()
+    assert "close" not in names(log)  # never made: nothing to release
+    actor.update_weights_collective = Call(log, "update", RuntimeError("engine died"))
+    with pytest.raises(RuntimeError):
+        pub.publish(1)
+    pub.close()
+    assert names(log)[-1] == "close" and not pub.connected
 
 
 def test_a_refusal_sends_nothing():
