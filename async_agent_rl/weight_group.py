@@ -100,6 +100,11 @@ class WeightGroup:
             opts._timeout = timeout
             self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
             self.device = torch.device("cuda", torch.cuda.current_device())
+        # NCCL connects its members at the first collective: one now makes a member that never joined fail here,
+        # at the join, rather than in the middle of the first publish
+        self._broadcast(torch.zeros(1, device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -122,11 +127,12 @@ class WeightGroup:
 
     def receive(self, specs: Iterable[WeightSpec]) -> Iterator[tuple[str, torch.Tensor]]:
         """The other ranks: ``(name, tensor)`` for each spec, received in order (consume it whole: the sender
-        blocks on every receiver)."""
+        blocks on every receiver). On a GPU each tensor is moved to host memory as it arrives, so that a whole
+        publish never sits in GPU memory beside the engine's own weights and KV cache."""
         for name, dtype, shape in specs:
             t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=self.device)
             self._broadcast(t)
-            yield name, t
+            yield name, t.cpu() if t.is_cuda else t
 
     def close(self) -> None:
         pg, self._pg = getattr(self, "_pg", None), None

@@ -151,13 +151,16 @@ class RecordingPublisher:
     def __init__(self, inner: Any, rec: Recording):
         self.inner, self.rec = inner, rec
 
-    def publish(self, version: int, state: Any) -> PublishStats:
+    def publish(self, version: int, state: Any = None) -> PublishStats:
         stats = self.inner.publish(version, state)
         self.rec.publishes.append(stats)
         return stats
 
     def member_restarted(self) -> None:
         self.inner.member_restarted()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def recording_trainer(cfg, rec: Recording):

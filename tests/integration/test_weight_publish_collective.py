@@ -80,7 +80,10 @@ def learner_cfg(model_dir) -> Config:
 
 
 def listening(pid: int) -> set[tuple[str, int]]:
-    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"}
+    """Listening sockets of ``pid`` and its descendants (an engine's vLLM worker runs in its EngineCore child)."""
+    root = psutil.Process(pid)
+    return {(c.laddr.ip, c.laddr.port) for proc in (root, *root.children(recursive=True))
+            for c in proc.net_connections("inet") if c.status == "LISTEN"}  # fmt: skip
 
 
 def test_collective_publish_equals_object_store_publish(tiny_model_dir, tmp_path):
@@ -105,8 +108,9 @@ def test_collective_publish_equals_object_store_publish(tiny_model_dir, tmp_path
     collective = CollectivePublisher([by_broadcast], learner, backend="gloo", timeout_s=60)
     stats = collective.publish(version)
     # everything the group opened listens on loopback
-    opened = set().union(*(listening(pid) - ports_before[pid] for pid in pids))
-    assert opened and all(ip == "127.0.0.1" for ip, _ in opened), opened
+    opened = {pid: listening(pid) - ports_before[pid] for pid in pids}
+    assert opened[learner_pid] and opened[engine_pids[1]], opened  # the store and gloo, and the worker's gloo
+    assert all(ip == "127.0.0.1" for ports in opened.values() for ip, _ in ports), opened
     ObjectStorePublisher([by_store]).publish(version, learner.state_dict_ref())
 
     ids_s, lps_s, versions_s, v_s = ray.get(by_store.greedy.remote(PROMPT, n))
@@ -114,6 +118,7 @@ def test_collective_publish_equals_object_store_publish(tiny_model_dir, tmp_path
     assert ids_s == TARGET and ids_b == ids_s
     np.testing.assert_allclose(lps_b, lps_s, rtol=0, atol=1e-6)
     assert versions_b == versions_s == [version] * n and v_b == v_s == version
+    lps_b_first = lps_b
     state = ray.get(learner.state_dict_ref())
     assert stats.method == "collective" and stats.num_actors == 1 and stats.version == version
     assert stats.bytes == sum(a.nbytes for a in state.values())
@@ -124,7 +129,12 @@ def test_collective_publish_equals_object_store_publish(tiny_model_dir, tmp_path
     generation = collective.generation
     collective.publish(learner.bump_version())
     assert collective.generation == generation
-    assert ray.get(by_broadcast.greedy.remote(PROMPT, n))[3] == version + 1
+    ObjectStorePublisher([by_store]).publish(version + 1, learner.state_dict_ref())
+    ids_s, lps_s, _, v_s = ray.get(by_store.greedy.remote(PROMPT, n))
+    ids_b, lps_b, _, v_b = ray.get(by_broadcast.greedy.remote(PROMPT, n))
+    assert ids_b == ids_s == TARGET and v_b == v_s == version + 1
+    np.testing.assert_allclose(lps_b, lps_s, rtol=0, atol=1e-6)  # the new weights, not the first publish's
+    assert np.max(np.abs(np.array(lps_b) - np.array(lps_b_first))) > 1e-4  # which differ
 
     # a learner on a model of another shape: refused by the engine before anything is sent, naming the tensors
     other_dir = init_tiny_model(tmp_path / "other", TinyModelConfig(vocab_size=2048, intermediate_size=256,
