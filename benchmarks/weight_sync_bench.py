@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                  for k in ("object_store", "collective", "raw_put_get", "raw_broadcast")]
         print(f"| {size} | {r['parameters'] / 1e6:.1f}M | {r['bytes'] / 1e6:.0f} | " + " | ".join(cells) + " |")
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
 

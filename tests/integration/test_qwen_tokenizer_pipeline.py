@@ -53,8 +53,9 @@ def cfg(tmp_path_factory, world_dir, qwen_model_dir):
         # answer, sampled at temperature 1 on 16 train questions, 3 draws of demonstrations): the home-made
         # tokenizer's 16 steps of 8 leave the loss at ~4.7 and no valid turn (the 151k-way head learns the tags'
         # several-token spelling slowly); what counts is the number of steps, and a step costs about its tokens:
-        # 256 steps of 1 give 66-90%, 320 steps (~35 s on 2 cores) 88%, 384 steps 86-92%, with ~20-30% of queries finding
-        # passages. 64 steps of 4 or 8 give 0-40%; lr 2e-2 or 3e-2 learn less; hidden 128 is slower and no better.
+        # 256 steps of 1 give 66-90%, 320 steps (~35 s on 2 cores) 88%, 384 steps 86-92%, with ~20-30% of queries
+        # finding passages. 64 steps of 4 or 8 give 0-40%; lr 2e-2 or 3e-2 learn less; hidden 128 is slower and no
+        # better.
         f"sft.output_dir={out / 'sft'}", "sft.num_demos=64", "sft.epochs=5", "sft.batch_size=1", "sft.warmup_steps=1",
         "sft.lr=1e-2", "sft.pretrain_steps=0", "sft.expert_search_prob=1", "sft.expert_second_hop_prob=1",
         "buffer.group_filter=none", "learner.total_steps=2", "learner.batch_size=4", "learner.mini_batch_size=4",

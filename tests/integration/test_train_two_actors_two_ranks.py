@@ -1,9 +1,10 @@
 """Two rollout actors and two learner ranks in one REAL training run: Ray, two vLLM CPU engines, the BM25 server, the
 buffer actor, two DeepSpeed ZeRO-3 learner ranks (gloo) and collective weight publishing (``weight_sync.method:
 collective``: learner rank 0 broadcasts into both engines' workers over gloo; every other training test publishes
-through the object store), driven by ``driver.train.Trainer``. Everything checked is what the run produced; a test-side ``Trainer`` subclass records what
-passes through the driver (the batch object the buffer handed to the ranks, the weights the ranks held just before
-each step, every published state, the publishers' and actors' own reports), without changing any of it.
+through the object store), driven by ``driver.train.Trainer``. Everything checked is what the run produced; a
+test-side ``Trainer`` subclass records what passes through the driver (the batch object the buffer handed to the
+ranks, the weights the ranks held just before each step, every published state, the publishers' and actors' own
+reports), without changing any of it.
 
 1. Every actor received every published version: each publish reached both actors, each actor's engine applied
    every version (its own reload records) and ends at the learner's final version, and each actor's sampled tokens
