@@ -9,6 +9,24 @@ from pathlib import Path
 DENSE_DEPS = all(importlib.util.find_spec(m) for m in ("faiss", "sentence_transformers"))  # the [dense] extra
 
 
+def end_processes(procs: list, grace_s: float) -> None:
+    """SIGTERM every ``psutil.Process`` in ``procs``, SIGKILL those still alive after ``grace_s``, and reap them."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
 def world_overrides(world_dir: Path, model_dir: Path) -> list[str]:
     """Dotted overrides that point any config at the session's world and a model folder, so nothing reads or
     writes the repository's runs/ folder."""

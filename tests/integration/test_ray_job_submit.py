@@ -35,6 +35,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import end_processes
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,18 +111,7 @@ def stop_cluster(temp_dir: Path, sid: int | None, grace_s: float = 5.0) -> None:
         procs = cluster_processes(temp_dir, sid)
         if not procs:
             return
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=grace_s)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        end_processes(procs, grace_s)
 
 
 @pytest.fixture()

@@ -32,6 +32,7 @@ from monitoring.prom import (
     DASHBOARD, check_dashboard, dashboard_queries, prometheus_binary, query_range, start_prometheus, targets,
     write_config,
 )
+from tests.helpers import end_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,17 +74,7 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         os.killpg(proc.pid, signal.SIGTERM)  # start_new_session=True: its process group id is its pid
     except (ProcessLookupError, PermissionError):
         pass
-    for p in family:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(family, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    end_processes(family, grace_s)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
