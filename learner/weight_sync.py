@@ -132,12 +132,11 @@ class CollectivePublisher:
         specs = self.learner.prepare_publish()
         try:
             refusals = [r for r in ray.get([a.check_weight_specs.remote(specs) for a in self.actors]) if r]
+            if refusals:
+                raise WeightsRefused("; ".join(refusals))
         except BaseException:
             self.learner.discard_prepared()  # rank 0 would keep a whole copy of the weights until the next publish
             raise
-        if refusals:
-            self.learner.discard_prepared()
-            raise WeightsRefused("; ".join(refusals))
         try:
             pending = [a.update_weights_collective.remote(version, specs) for a in self.actors]
             sent = self.learner.broadcast_weights(specs)

@@ -110,7 +110,10 @@ class Restartable:
 
 
 class StandInLearner:
-    """The learner group's calls a restart makes on the collective path: its step's weights, and the version bump."""
+    """The learner group's calls a restart makes on the collective path: its step's weights, and the version bump.
+    A stand-in because what is tested is the driver's choice between them; the real collective publish (DeepSpeed
+    rank 0 into a vLLM engine) is tested in test_weight_publish_collective.py and test_train_two_actors_two_ranks.py,
+    and making a real learner reach step 5 with weights no version was published for would add minutes, not a check."""
 
     def __init__(self, version: int):
         self.version = version
