@@ -99,6 +99,11 @@ class RolloutActor:
     async def start(self, num_groups: int | None = None) -> None:
         assert self.worker is not None, "call setup() first"
         self._task = asyncio.create_task(self.worker.run(num_groups))
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:  # the worker logged it; the driver reads error()
+            log.error("rollout actor %d stopped generating: %s", self.index, self.error())
 
     async def stop(self, timeout_s: float = 120.0) -> RolloutStats:
         """Stop starting groups, let in-flight episodes finish and be pushed; returns the worker's stats."""
@@ -159,6 +164,17 @@ class RolloutActor:
                              f"{self.cfg.data.max_prompt_length} tokens ({files})")
         trajs = await run_greedy(self.worker.runner, fitting, self.cfg.rollout.max_concurrent_episodes)
         return score_episodes(trajs, self.worker.runner.tokenizer, skipped_too_long=len(too_long))
+
+    def error(self) -> str | None:
+        """Why this actor's rollouts ended (``stats().done``): the worker's exception in one line (a failed push,
+        a failed report of a lost episode, admission failing), or that they ended; None while they run."""
+        task = self._task
+        if task is None or not task.done():
+            return None
+        if task.cancelled():
+            return "its rollout task was cancelled"
+        e = task.exception()
+        return f"{type(e).__name__}: {e}" if e is not None else "its rollouts ended"
 
     def stats(self) -> RolloutStats:
         actor = dict(

@@ -109,6 +109,10 @@ class WorkerStats(EpisodeCounters):
         )
 
 
+class RolloutFailure(RuntimeError):
+    """The worker stopped because pushing its episodes, or an episode task's reporting, failed (cause chained)."""
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -147,6 +151,8 @@ class RolloutWorker:
         self._outbox: asyncio.Queue[Trajectory | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
+        self._failed = asyncio.Event()
+        self.failure: tuple[str, BaseException] | None = None  # (what failed, the exception) once the worker failed
         self._episode_counter = 0
 
     # ------------------------------------------------------------------------------------------------ control
@@ -155,27 +161,62 @@ class RolloutWorker:
         self._stop.set()
 
     async def run(self, num_groups: int | None = None) -> WorkerStats:
-        """Run until ``num_groups`` groups were started (None: until ``stop()``), then drain and flush."""
+        """Run until ``num_groups`` groups were started (None: until ``stop()``), then drain and flush.
+
+        A failure of the background push (``sink``) or of an episode task outside its episode (reporting a lost
+        episode to ``on_lost``) stops the worker at once: no new group starts, the episodes in flight are cancelled
+        (they have nowhere to go) and ``run`` raises ``RolloutFailure`` naming it, the cause chained. Before, the
+        flush task died alone and the worker generated on forever; the error surfaced only at ``stop()``."""
         flusher = asyncio.create_task(self._flush_loop())
+        flusher.add_done_callback(lambda t: self._task_ended("pushing finished episodes", t))
+        body = asyncio.create_task(self._generate(num_groups))
+        failed = asyncio.create_task(self._failed.wait())
         try:
-            if self.mode == "sync":
-                await self._run_waves(num_groups)
-                return self.stats
-            group_id = self._new_group_id()
-            while not self._stop.is_set() and (num_groups is None or self.stats.groups_started < num_groups):
-                # the buffer grants whole groups (multiples of group_size) or nothing; ask with the ENGINE's
-                # version (the weights that will generate), not the learner's
-                if await self.admit(self.group_size, self.runner.engine.version, group_id) < self.group_size:
-                    await self._wait(self.admission_poll_s)
-                    continue
-                await self._start_group(next(self.prompts), group_id)
-                group_id = self._new_group_id()
-            if self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            done, _ = await asyncio.wait({body, failed}, return_when=asyncio.FIRST_COMPLETED)
+            if body in done:
+                body.result()  # its own exception (e.g. admission failing), as before
         finally:
+            failed.cancel()
+            if not body.done():  # a failure: stop generating now
+                body.cancel()
+            in_flight = [body, *self._tasks]
+            for t in in_flight:
+                t.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
             await self._outbox.put(None)
-            await flusher
+            await asyncio.wait({flusher})  # its failure, if any, is self.failure
+        if self.failure is not None:
+            what, e = self.failure
+            raise RolloutFailure(f"rollout worker {self.actor_id}: {what} failed: {type(e).__name__}: {e}") from e
         return self.stats
+
+    async def _generate(self, num_groups: int | None) -> None:
+        if self.mode == "sync":
+            await self._run_waves(num_groups)
+            return
+        group_id = self._new_group_id()
+        while not self._stop.is_set() and (num_groups is None or self.stats.groups_started < num_groups):
+            # the buffer grants whole groups (multiples of group_size) or nothing; ask with the ENGINE's
+            # version (the weights that will generate), not the learner's
+            if await self.admit(self.group_size, self.runner.engine.version, group_id) < self.group_size:
+                await self._wait(self.admission_poll_s)
+                continue
+            await self._start_group(next(self.prompts), group_id)
+            group_id = self._new_group_id()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _task_ended(self, what: str, task: asyncio.Task) -> None:
+        """Done callback of the flush task and of every episode task: an exception that escaped one stops the
+        worker (the first one is kept; gather(return_exceptions=True) would otherwise swallow it)."""
+        if task.cancelled() or task.exception() is None or self.failure is not None:
+            return
+        e = task.exception()
+        self.failure = (what, e)
+        log.error("rollout worker %s: %s failed, stopping: %s: %s", self.actor_id, what, type(e).__name__, e,
+                  exc_info=e)
+        self._stop.set()
+        self._failed.set()
 
     async def _run_waves(self, num_groups: int | None) -> None:
         """``mode="sync"``: admit as many groups as the buffer grants (up to ``max_concurrent`` episodes), run them
@@ -224,6 +265,7 @@ class RolloutWorker:
             task = asyncio.create_task(self._episode(ex, group_id, seed, runner or self.runner, barrier))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda t: self._task_ended("an episode task (reporting its episode)", t))
 
     async def _episode(self, ex: QAExample, group_id: str, seed: int | None, runner: EpisodeRunner,
                        barrier: TurnBarrier | None) -> None:
