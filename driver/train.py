@@ -64,6 +64,11 @@ from monitoring.exporter import RunMonitoring
 log = logging.getLogger(__name__)
 
 
+class RunFailed(InputError):
+    """A component failed for good (a rollout actor out of restarts, weight publishes that keep failing): the run
+    ends with one ``error:`` line naming it and the cause (exit status 2, as the CLI maps ``InputError``)."""
+
+
 SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout actors this often
 SEARCH_ERROR_WARN_RATE = 0.5  # warn when more than this share of a step's searches failed (at least 4 of them)
 SEARCH_WARN_EVERY_S = 60.0
@@ -298,6 +303,7 @@ class Trainer:
         self.history: list[dict] = []
         self.weights_ref = None  # the last published weights (a restarted actor gets them)
         self.restarts: dict[str, int] = {}
+        self._ray_restarts: dict[int, int] = {}  # restarts of the actors this process made (a resume's start from 0)
         self.lost_episodes = 0
         self.totals = RunTotals()  # the run's rollout totals (run_totals), restarted actors and a resume included
         self.resume_from: Path | None = None
@@ -478,17 +484,31 @@ class Trainer:
         """Every rollout actor's stats (folded into the run's totals); an actor that died (or stopped answering) is
         restarted, its in-flight episodes counted lost, and it gets the current weights before it runs again. One that stopped answering
         may still be alive: it is killed first (Ray restarts it), so ``setup()`` never builds a second engine in a live
-        incarnation and it generates nothing more; a push it sent before dying is dropped by the buffer as late."""
+        incarnation and it generates nothing more; a push it sent before dying is dropped by the buffer as late.
+
+        One that is alive but stopped generating (``stats.done``: its push to the buffer failed, or its report of a
+        lost episode, or admission) is killed and restarted the same way, its cause on the console. Once
+        ``cluster.max_actor_restarts`` restarts of an actor are used up, the next problem ends the run with
+        ``RunFailed`` naming the actor and the cause (one ``error:`` line), instead of a run that waits forever."""
         out = []
         for i, actor in enumerate(self.actors):
+            kill = False
             try:
                 stats = ray.get(actor.stats.remote(), timeout=self.cfg.cluster.actor_timeout_s)
                 problem = None if stats.ready else "restarted by Ray, not set up"
+                if stats.ready and stats.done:  # alive, but generates nothing more: the run would wait forever
+                    cause = ray.get(actor.error.remote(), timeout=self.cfg.cluster.actor_timeout_s)
+                    problem, kill = f"stopped generating: {cause}", True
             except (RayActorError, GetTimeoutError) as e:
                 problem = type(e).__name__
+                kill = isinstance(e, GetTimeoutError)  # silent, perhaps only slow: stop this incarnation first
             if problem:
+                used, allowed = self._ray_restarts.get(i, 0), self.cfg.cluster.max_actor_restarts
+                if used >= allowed and problem != "restarted by Ray, not set up":
+                    raise RunFailed(f"rollout actor {i}: {problem} (restarted {used} time(s) already, "
+                                    f"cluster.max_actor_restarts={allowed})")
                 self.log.say(f"[fault] rollout actor {i}: {problem}; restarting it")
-                if problem == "GetTimeoutError":  # silent, perhaps only slow: stop this incarnation first
+                if kill:
                     ray.kill(actor, no_restart=False)
                 self._restart_actor(i)
                 stats = ray.get(actor.stats.remote())
@@ -501,6 +521,7 @@ class Trainer:
         lost = ray.get(self.buffer.actor_lost.remote(actor_id))
         self.lost_episodes += lost
         self.restarts[actor_id] = self.restarts.get(actor_id, 0) + 1
+        self._ray_restarts[i] = self._ray_restarts.get(i, 0) + 1
         deadline = time.monotonic() + self.cfg.cluster.actor_timeout_s
         while True:  # Ray re-runs __init__ in a new process (max_restarts); wait until it answers
             try:

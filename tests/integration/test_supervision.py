@@ -17,7 +17,8 @@ import ray
 from async_agent_rl.config import load_config
 from async_agent_rl.stats import RolloutStats
 from buffer.actor import create_buffer_actor
-from driver.train import Trainer
+from async_agent_rl.errors import error_line
+from driver.train import RunFailed, Trainer
 from learner.weight_sync import create_publisher
 from tests.unit.test_replay_buffer import traj
 
@@ -159,3 +160,71 @@ def test_a_restart_on_the_collective_path_never_stamps_unpublished_weights(tmp_p
     else:  # the learner's weights are version 2's
         assert updates == [(2, {"weights_of_version": 2})] and trainer.publisher.published == []
         assert trainer.version == 2
+
+
+PUSH_FAILED = "RolloutFailure: rollout worker actor0: pushing finished episodes failed: ConnectionError: buffer gone"
+
+
+class StoppedGenerating:
+    """Rollout actor stand-in whose first incarnation is alive and answers, but its rollouts ended (a failed push:
+    ``stats().done``, ``error()`` the cause), as ``RolloutActor`` reports it (tests/unit/test_rollout_failures.py)."""
+
+    def __init__(self, index: int, marker: str):
+        self.index, self.setups, self.started = index, 0, False
+        self.first = not Path(marker).exists()
+        Path(marker).touch()
+
+    def setup(self) -> dict:
+        self.setups += 1
+        return {"index": self.index, "pid": os.getpid()}
+
+    def start(self) -> None:
+        self.started = True
+
+    def update_weights(self, version, weights) -> dict:
+        return {"version": version}
+
+    def error(self) -> str | None:
+        return PUSH_FAILED if self.first else None
+
+    def stats(self) -> StandInStats:
+        return StandInStats(index=self.index, incarnation=str(os.getpid()), ready=self.setups > 0,
+                            done=self.first and self.setups > 0, pid=os.getpid(), setups=self.setups, began=self.started)
+
+
+def stopped_actor_trainer(tmp_path, max_restarts: int) -> Trainer:
+    cfg = load_config(None, [f"cluster.max_actor_restarts={max_restarts}", "cluster.actor_timeout_s=10",
+                             "rollout.group_size=2", "learner.batch_size=4", "learner.mini_batch_size=4",
+                             "learner.micro_batch_size=4"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=False)
+    trainer.mon = None
+    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
+    actor_cls = ray.remote(num_cpus=0, max_restarts=max_restarts)(StoppedGenerating)
+    trainer.actors = [actor_cls.remote(0, str(tmp_path / "incarnated"))]
+    trainer.publisher = create_publisher("object_store", trainer.actors)
+    ray.get(trainer.actors[0].setup.remote())
+    return trainer
+
+
+def test_an_actor_that_stopped_generating_is_restarted_with_its_cause_on_the_console(tmp_path, capsys):
+    """Issue 22: supervision read only ``ready``; an actor alive but done (its push failed) was left alone and the
+    run waited for batches forever."""
+    trainer = stopped_actor_trainer(tmp_path, max_restarts=1)
+    first_pid = ray.get(trainer.actors[0].stats.remote()).pid
+    t0 = time.monotonic()
+    stats = trainer.supervise()[0]
+    assert time.monotonic() - t0 < 30
+    assert stats.pid != first_pid and stats.setups == 1 and stats.began and not stats.done
+    assert trainer.restarts == {"actor0": 1}
+    out = capsys.readouterr().out
+    assert f"[fault] rollout actor 0: stopped generating: {PUSH_FAILED}; restarting it" in out
+
+
+def test_an_actor_that_stopped_generating_with_no_restart_left_ends_the_run_in_one_error_line(tmp_path):
+    trainer = stopped_actor_trainer(tmp_path, max_restarts=0)
+    t0 = time.monotonic()
+    with pytest.raises(RunFailed) as info:
+        trainer.supervise()
+    assert time.monotonic() - t0 < 10, "within seconds"
+    assert error_line(info.value) == (f"error: rollout actor 0: stopped generating: {PUSH_FAILED} (restarted 0 "
+                                      "time(s) already, cluster.max_actor_restarts=0)")
