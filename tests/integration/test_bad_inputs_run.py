@@ -30,7 +30,7 @@ import pytest
 from async_agent_rl.config import load_config
 from tests.helpers import leaked_weight_dirs, shm_weight_dirs, world_overrides
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "async-agent-rl")

@@ -17,7 +17,7 @@ import yaml
 from driver.plots import read_jsonl
 from tests.helpers import world_overrides
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 

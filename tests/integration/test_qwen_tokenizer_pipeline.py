@@ -36,7 +36,7 @@ from driver.show import format_trajectory
 from learner.sft import run_sft
 from tests.helpers import world_overrides
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 LOGPROB_TOL = 2e-3  # float32 end to end, as in test_rollout_vllm.py

@@ -22,7 +22,7 @@ from async_agent_rl.episode_settings import EpisodeSettings
 from retriever.backends import BM25Backend
 from retriever.server import start_server_in_thread
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
 # float32 end to end; vLLM's CPU kernels and transformers' eager attention differ by rounding only
 LOGPROB_TOL = 2e-3

@@ -19,7 +19,7 @@ from async_agent_rl.config import load_config
 from driver.plots import read_jsonl
 from tests.helpers import leaked_weight_dirs, shm_weight_dirs, world_overrides
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 

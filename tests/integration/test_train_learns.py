@@ -33,7 +33,7 @@ import pytest
 from async_agent_rl.config import load_config
 from tests.helpers import world_overrides
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 24

@@ -34,7 +34,7 @@ from monitoring.prom import (
 )
 from tests.helpers import end_processes
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 TOTAL_STEPS = 3

@@ -52,7 +52,7 @@ from buffer.actor import BufferActor
 from learner.actor import LearnerGroup
 from tests.helpers import world_overrides
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4  # <= 5: RolloutStats keeps an actor's latest five weight reloads

@@ -32,6 +32,8 @@ from async_agent_rl.algorithms import (
 )
 from async_agent_rl.config import AlgorithmConfig
 
+pytestmark = pytest.mark.unit
+
 unit_interval = st.floats(min_value=0.0, max_value=1.0, exclude_min=True, allow_nan=False)
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from async_agent_rl.config import ConfigError, load_config
 
+pytestmark = pytest.mark.unit
+
 BAD = [
     ("learner.lr=.inf", "learner.lr"),
     ("learner.lr=.nan", "learner.lr"),

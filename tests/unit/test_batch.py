@@ -9,6 +9,8 @@ from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan, peek
 from async_agent_rl.staleness import staleness
 
+pytestmark = pytest.mark.unit
+
 PAD = 0
 
 

@@ -13,6 +13,8 @@ from driver.bench import (STUDIES, Arm, ArmRun, learning_arms, learning_summary,
                                   write_learning_report)
 from async_agent_rl.config import load_config
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("study", sorted(STUDIES))
 def test_every_study_arm_is_a_valid_quickstart_config_that_changes_its_key(study):

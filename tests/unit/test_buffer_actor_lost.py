@@ -1,8 +1,12 @@
 """A dead rollout actor's in-flight episodes are counted lost: admission slots come back, groups do not hang."""
 
+import pytest
+
 from async_agent_rl.config import BufferConfig
 from buffer.actor import BufferActor
 from tests.unit.test_replay_buffer import ids, traj
+
+pytestmark = pytest.mark.unit
 
 
 def make() -> BufferActor:

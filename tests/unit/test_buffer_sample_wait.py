@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from async_agent_rl.config import BufferConfig
 from buffer.actor import BufferActor
 from tests.unit.test_replay_buffer import traj
+
+pytestmark = pytest.mark.unit
 
 
 def make(max_staleness: int = 0, **config) -> BufferActor:

@@ -15,6 +15,8 @@ from async_agent_rl.config import load_config
 from driver.cli import main
 from learner.checkpoint import CheckpointError, commit_checkpoint, config_differences, newest_intact, verify_manifest
 
+pytestmark = pytest.mark.unit
+
 FILES = {
     "policy/model.safetensors": os.urandom(4096),
     "policy/config.json": b'{"model_type": "qwen2", "hidden_size": 128}',

@@ -14,6 +14,8 @@ import pytest
 from async_agent_rl.data.search_r1 import QAExample, write_qa_parquet
 from driver.cli import main
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 

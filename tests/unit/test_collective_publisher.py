@@ -9,6 +9,8 @@ import ray
 
 from learner.weight_sync import CollectivePublisher, WeightsRefused, create_publisher
 
+pytestmark = pytest.mark.integration
+
 SPECS = [("embed", "float32", (4, 2))]
 
 

@@ -5,6 +5,8 @@ import yaml
 
 from async_agent_rl.config import ConfigError, load_config, parse_override
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
 

@@ -17,6 +17,8 @@ from async_agent_rl.data.corpus import (
     write_corpus,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def write_lines(path, lines: list[str | bytes]) -> None:
     path.write_bytes(b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines))

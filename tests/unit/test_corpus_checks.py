@@ -11,6 +11,8 @@ import pytest
 from async_agent_rl.data.corpus import CorpusError, Passage, read_corpus, write_corpus
 from retriever.backends import BM25Backend, IndexMismatchError, open_backend
 
+pytestmark = pytest.mark.unit
+
 
 def passages(n: int = 50) -> list[Passage]:
     return [Passage(id=str(i), contents=f'"Title {i}"\nword{i} shared text about item {i}') for i in range(n)]

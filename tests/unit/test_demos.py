@@ -30,6 +30,8 @@ from learner.demos import (
 from retriever.backends import BM25Backend
 from tests.helpers import world_overrides
 
+pytestmark = pytest.mark.unit
+
 N = 120
 
 

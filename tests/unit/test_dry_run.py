@@ -13,6 +13,8 @@ from async_agent_rl.config import load_config
 from driver import check
 from driver.check import Gpu, dry_run
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 GPU_CONFIG = REPO / "configs" / "search_r1_nq_gpu.yaml"
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

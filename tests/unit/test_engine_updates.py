@@ -13,6 +13,8 @@ import torch
 
 from actors.engine import HFEngine, TurnRequest, VLLMEngine, WeightsError
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def hf_engine(tiny_model_dir):

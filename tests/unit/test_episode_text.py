@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from actors.stack import model_text
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode import EpisodeRunner, TurnOutput, TurnRequest
 from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.prompts import STOP_STRINGS
 from async_agent_rl.rewards import compute_rewards
+
+pytestmark = pytest.mark.unit
 
 
 class StopCuttingEngine:

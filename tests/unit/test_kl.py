@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from async_agent_rl.algorithms import KL_ESTIMATORS, UnknownAlgorithmError, get_kl_estimator, kl_k3, kl_penalty
 from async_agent_rl.config import AlgorithmConfig
 
+pytestmark = pytest.mark.unit
+
 LN2 = math.log(2.0)
 
 

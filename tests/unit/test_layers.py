@@ -12,6 +12,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 
 LEVEL = {"async_agent_rl": 0, "retriever": 1, "buffer": 2, "actors": 3, "learner": 3, "monitoring": 4, "driver": 5}

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from async_agent_rl.stats import BufferStats, LearnerStats, RolloutStats
 from driver.train import LearningSignals
+
+pytestmark = pytest.mark.unit
 
 
 def _actor(single: tuple[int, float, float, int], bridge: tuple[int, float, float, int], index: int = 0,

@@ -8,11 +8,15 @@ import asyncio
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from async_agent_rl.episode import EpisodeRunner, PromptTooLongError
 from actors.rollout_worker import RolloutWorker
 from actors.stack import score_episodes
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode_settings import EpisodeSettings
+
+pytestmark = pytest.mark.unit
 
 
 def settings(max_prompt_length: int) -> EpisodeSettings:

@@ -26,6 +26,8 @@ from async_agent_rl.algorithms import (
 )
 from async_agent_rl.config import AlgorithmConfig
 
+pytestmark = pytest.mark.unit
+
 
 def t(rows) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)

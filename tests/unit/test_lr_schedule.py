@@ -8,6 +8,8 @@ import pytest
 
 from learner.learner import lr_factor
 
+pytestmark = pytest.mark.unit
+
 
 def test_lr_factor_warmup_then_schedule():
     kw = dict(warmup_steps=2, total_steps=6)

@@ -34,6 +34,8 @@ from monitoring.exporter import prometheus_config, sd_groups, write_sd_file
 from monitoring.prom import DASHBOARD, dashboard_queries, expand_grafana_vars
 from retriever import server as retriever_server
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from async_agent_rl.config import load_config
 
+pytestmark = pytest.mark.unit
+
 
 def test_ray_init_refuses_a_local_cluster_without_authentication(monkeypatch):
     from async_agent_rl.errors import InputError
@@ -15,8 +17,38 @@ def test_ray_init_refuses_a_local_cluster_without_authentication(monkeypatch):
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with pytest.raises(InputError, match="RAY_AUTH_MODE=disabled"):
+    with pytest.raises(InputError, match="RAY_AUTH_MODE='disabled'"):
         _ray_init(load_config(None))
     monkeypatch.delenv("RAY_AUTH_MODE")
     with pytest.raises(InputError, match="cluster.env_vars"):
         _ray_init(load_config(None, ['cluster.env_vars={"RAY_AUTH_MODE": "disabled"}']))
+
+
+@pytest.mark.parametrize("mode", ["", "none", "off", "Disabled", "tokens", " token"])
+def test_ray_init_refuses_every_auth_mode_but_token(monkeypatch, mode):
+    """Ray enables authentication only for RAY_AUTH_MODE=token (any case) or unset; every other value, the empty one
+    included, turns it off. Issue 22: only "disabled" was refused."""
+    from async_agent_rl.errors import InputError, error_line
+    from driver.train import _ray_init
+
+    monkeypatch.setenv("RAY_AUTH_MODE", mode)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(InputError) as info:
+        _ray_init(load_config(None))
+    assert error_line(info.value).startswith(f"error: RAY_AUTH_MODE={mode!r} would start a local Ray cluster")
+
+
+@pytest.mark.parametrize("mode", ["token", "TOKEN", "Token"])
+def test_ray_init_accepts_token_in_any_case(monkeypatch, mode):
+    """Accepted: the check passes on to ray.init (stubbed here: nothing is started)."""
+    import ray
+
+    from driver.train import _ray_init
+
+    monkeypatch.setenv("RAY_AUTH_MODE", mode)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    _ray_init(load_config(None))
+    assert len(calls) == 1

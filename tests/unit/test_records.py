@@ -3,6 +3,8 @@ import pytest
 
 from async_agent_rl.records import OBS_VERSION, SCHEMA_VERSION, EpisodeMeta, RecordError, Trajectory, TurnSpan
 
+pytestmark = pytest.mark.unit
+
 
 def make_traj() -> Trajectory:
     # prompt | model(3) | observation(2) | model(2)

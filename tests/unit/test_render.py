@@ -16,6 +16,8 @@ from async_agent_rl.render import (
     truncate_observation,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def search_r1_observation(contents: list[str]) -> str:
     """Search-R1's rendering, restated from its code: title = first line, text = the other lines joined by \\n."""

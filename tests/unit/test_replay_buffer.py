@@ -19,6 +19,8 @@ from buffer.replay_buffer import (
     SnapshotError,
 )
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:

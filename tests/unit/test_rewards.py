@@ -17,6 +17,8 @@ from async_agent_rl.rewards import (
     tag_count,
 )
 
+pytestmark = pytest.mark.unit
+
 GOOD = (
     "<think> I need the city. </think>\n<search> Aldo Venmar </search>"
     "\n\n<information>Doc 1(Title: \"Aldo Venmar\") born in Zolgon.</information>\n\n"

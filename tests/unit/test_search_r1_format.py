@@ -5,6 +5,8 @@ import pytest
 from async_agent_rl.data.search_r1 import DataFormatError, QAExample, ReadReport, read_qa_parquet, write_qa_parquet
 from async_agent_rl.prompts import SEARCH_R1_TEMPLATE, render_question_prompt
 
+pytestmark = pytest.mark.unit
+
 
 def search_r1_row(i, question, answers, source="nq"):
     """A row exactly as Search-R1's data_process/nq_search.py writes it (source columns kept)."""

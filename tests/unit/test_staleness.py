@@ -22,6 +22,8 @@ from async_agent_rl.staleness import (
 )
 from buffer.replay_buffer import EVICT_STALE, ReplayBuffer
 
+pytestmark = pytest.mark.unit
+
 
 def test_staleness_is_learner_version_minus_oldest_token_version():
     assert staleness(7, 4) == 3

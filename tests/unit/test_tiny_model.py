@@ -3,10 +3,13 @@
 vLLM loading of the same folder is covered by the rollout integration tests.
 """
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_agent_rl.prompts import TAGS, prompt_ids, prompt_text
+
+pytestmark = pytest.mark.unit
 
 
 def test_folder_loads_and_generates(tiny_model_dir):

@@ -9,6 +9,8 @@ import pytest
 from async_agent_rl.config import load_config
 from learner.sft import INPUTS_FILE, SUMMARY_FILE, check_warm_start, warm_start_inputs
 
+pytestmark = pytest.mark.unit
+
 
 def fake_warm_start(folder, inputs) -> None:
     folder.mkdir(parents=True)

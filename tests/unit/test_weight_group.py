@@ -14,6 +14,8 @@ import torch
 
 from async_agent_rl.weight_group import WeightGroup, backend_for, listen_socket, weight_specs
 
+pytestmark = pytest.mark.integration
+
 
 def test_backend_by_device():
     assert backend_for("cpu") == "gloo" and backend_for("cuda") == "nccl"

@@ -8,7 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from actors.engine import WEIGHTS_PREFIX, sweep_orphaned_weights
+
+pytestmark = pytest.mark.unit
 
 
 def test_only_folders_of_dead_owners_are_swept(tmp_path):

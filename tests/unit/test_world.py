@@ -7,6 +7,8 @@ from async_agent_rl.data.search_r1 import read_qa_parquet
 from async_agent_rl.data.world import generate_world
 from async_agent_rl.rewards import normalize_answer
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def world():
