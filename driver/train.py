@@ -134,9 +134,11 @@ def _ray_init(cfg: Config) -> None:
     if ray.is_initialized():
         return
     address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
-    if not address and os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-        raise InputError("RAY_AUTH_MODE=disabled would start a local Ray cluster that listens on every network "
-                         "interface without authentication; unset it (Ray then uses token authentication)")
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if not address and mode is not None and mode.lower() != "token":  # Ray: any set value but "token" is no auth
+        raise InputError(f"RAY_AUTH_MODE={mode!r} would start a local Ray cluster that listens on every network "
+                         "interface without authentication (Ray turns authentication on only for RAY_AUTH_MODE=token "
+                         "or unset); unset it or set it to token")
     if any(k.startswith("RAY_AUTH") for k in cfg.cluster.env_vars):
         raise InputError("cluster.env_vars: RAY_AUTH_* must not be set per worker (workers whose mode differs from "
                          "the cluster's are rejected); set it in the environment of `ray start` instead")
