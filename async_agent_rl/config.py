@@ -399,9 +399,17 @@ class ClusterConfig(_Section):
 
 
 class RunConfig(_Section):
-    name: str = "quickstart"
+    name: str = Field("quickstart", description="the run's folder under output_dir: one plain name, no path")
     output_dir: str = "runs"
     device: Literal["cpu", "cuda"] = "cpu"
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        # the run folder (output_dir/name) is written, and a bench arm's reused: it must stay inside output_dir
+        if not name.strip() or name in (".", "..") or any(sep in name for sep in ("/", "\\")) or "\x00" in name:
+            raise ValueError("must be one plain folder name inside run.output_dir (no path separator, not . or ..)")
+        return name
 
 
 class Config(_Section):
@@ -431,6 +439,30 @@ class Config(_Section):
             raise ValueError(
                 f"data.max_prompt_length ({self.data.max_prompt_length}) must be below model.max_model_len "
                 f"({self.model.max_model_len}): a prompt that fills the context leaves no token to generate"
+            )
+        context_left = self.model.max_model_len - self.data.max_prompt_length
+        if self.rollout.max_response_length > context_left:
+            raise ValueError(
+                f"rollout.max_response_length ({self.rollout.max_response_length}) must be at most model.max_model_len "
+                f"- data.max_prompt_length ({self.model.max_model_len} - {self.data.max_prompt_length} = "
+                f"{context_left}): a budget the context cannot hold is never reached, yet the learner normalises "
+                "losses by it"
+            )
+        if self.rollout.max_obs_length > self.rollout.max_response_length:
+            raise ValueError(
+                f"rollout.max_obs_length ({self.rollout.max_obs_length}) must be at most rollout.max_response_length "
+                f"({self.rollout.max_response_length}): one search result would use up the whole response budget"
+            )
+        if self.buffer.capacity_tokens < self.model.max_model_len:
+            raise ValueError(
+                f"buffer.capacity_tokens ({self.buffer.capacity_tokens}) must be at least model.max_model_len "
+                f"({self.model.max_model_len}): a full-length trajectory could never be stored, its push would fail"
+            )
+        if self.buffer.capacity_trajectories < self.learner.batch_size:
+            raise ValueError(
+                f"buffer.capacity_trajectories ({self.buffer.capacity_trajectories}) must be at least "
+                f"learner.batch_size ({self.learner.batch_size}): a batch is taken from the buffer whole, so one "
+                "that cannot fit never comes and the run waits forever"
             )
         if self.buffer.max_staleness == 0 and self.weight_sync.every_steps > 1:
             raise ValueError(
@@ -544,6 +576,30 @@ def build_config(tree: dict[str, Any], source: str = "<dict>") -> Config:
         raise ConfigError(format_validation_error(e, source)) from None
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden, as YAML says
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: SafeLoader's own error says so
+                break
+            if first is not None:
+                raise _DuplicateKey(f"line {key_node.start_mark.line + 1}: duplicate key {key!r} (first on line "
+                                    f"{first}; YAML would keep the last one silently)")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config (or the defaults when ``path`` is None) and apply dotted overrides."""
     tree: dict[str, Any] = {}
@@ -554,9 +610,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        except _DuplicateKey as e:
+            raise ConfigError(f"config file {path}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):

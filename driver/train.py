@@ -60,6 +60,7 @@ from learner.checkpoint import (
 from learner.sft import check_warm_start, run_sft, warm_start_inputs
 from learner.weight_sync import create_publisher
 from monitoring.exporter import RunMonitoring
+from retriever.server import exposure_warning
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +363,10 @@ class Trainer:
         _link_ray_logs(self.run_dir / "ray_logs")
         self.url = stack.enter_context(retriever_url(cfg, log_file=self.run_dir / "retriever.log"))
         self.log.say(f"[start] retriever {self.url}")
+        exposed = None if cfg.retriever.url else exposure_warning(cfg.retriever.host)  # a server the run started
+        if exposed:
+            log.warning(exposed)
+            self.log.say(f"[warn] {exposed}")
         self.mon = self._start_monitoring(stack)
         self.pad_id = self._pad_id()
         self.buffer = create_buffer_actor(cfg, pad_id=self.pad_id)

@@ -18,7 +18,7 @@ from async_agent_rl.config import ConfigError, RetrieverConfig, RetrieverLimits
 from async_agent_rl.data.corpus import CorpusError, PassageList, read_corpus
 from async_agent_rl.errors import error_line
 from retriever.backends import build_backend, check_encoder_dir, check_faiss_file, open_backend
-from retriever.server import serve_until_signalled
+from retriever.server import exposure_warning, serve_until_signalled
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _fail(e)
     elapsed = time.perf_counter() - start
     logger.info("loaded %d passages and a %s index in %.1f s", len(passages), config.backend, elapsed)
+    exposed = exposure_warning(config.host)
+    if exposed:
+        print(f"warning: {exposed}", file=sys.stderr, flush=True)
     asyncio.run(serve_until_signalled(backend, config, f"({len(passages)} passages, {config.backend})"))
     return 0
 

@@ -42,7 +42,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from async_agent_rl.config import RetrieverConfig, RetrieverLimits
+from async_agent_rl.config import RetrieverConfig, RetrieverLimits, is_loopback
 from async_agent_rl.errors import InputError
 from retriever.backends import Hit, SearchBackend
 
@@ -389,6 +389,17 @@ def create_app(
 
 
 # ------------------------------------------------------------------------------------------------------- running
+def exposure_warning(host: str) -> str | None:
+    """The warning for a server bound beyond loopback (``retriever.host``, ``retriever serve --host``): it has no
+    authentication, so everyone who can reach the address can query the corpus and load the server. None on
+    loopback."""
+    if is_loopback(host):
+        return None
+    return (f"the retrieval server listens on {host}, beyond loopback, without authentication: anyone who can reach "
+            "that address can query the corpus and load the server (use 127.0.0.1 unless other machines must reach "
+            "it, and then a firewall)")
+
+
 @asynccontextmanager
 async def serve(
     backend: SearchBackend, config: RetrieverConfig | None = None, metrics: ServerMetrics | None = None

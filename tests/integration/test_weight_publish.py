@@ -62,7 +62,7 @@ def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_di
     cfg = build_config({
         "model": {"path": str(tiny_model_dir), "max_model_len": 256},
         "data": {"max_prompt_length": 128},
-        "rollout": {"group_size": 1},
+        "rollout": {"group_size": 1, "max_response_length": 128, "max_obs_length": 64},  # what 256 - 128 leaves
         "learner": {"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1, "ppo_epochs": 2, "lr": 1e-3},
         "algorithm": {"advantage_estimator": "grpo", "policy_loss": "decoupled_ppo"},
     })

@@ -71,7 +71,7 @@ def learner_cfg(model_dir) -> Config:
     return build_config({
         "model": {"path": str(model_dir), "max_model_len": 256},
         "data": {"max_prompt_length": 128},
-        "rollout": {"group_size": 1},
+        "rollout": {"group_size": 1, "max_response_length": 128, "max_obs_length": 64},  # what 256 - 128 leaves
         "learner": {"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1, "ppo_epochs": 2, "lr": 1e-3},
         "algorithm": {"advantage_estimator": "grpo", "policy_loss": "decoupled_ppo"},
         "weight_sync": {"method": "collective"},

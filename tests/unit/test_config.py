@@ -110,7 +110,8 @@ def test_batch_must_hold_whole_groups():
 def test_a_prompt_budget_that_fills_the_context_is_refused():
     with pytest.raises(ConfigError, match=r"data.max_prompt_length \(1024\) must be below model.max_model_len \(1024\)"):
         load_config(None, ["data.max_prompt_length=1024", "model.max_model_len=1024"])
-    load_config(None, ["data.max_prompt_length=1023", "model.max_model_len=1024"])
+    load_config(None, ["data.max_prompt_length=1000", "model.max_model_len=1024", "rollout.max_response_length=24",
+                       "rollout.max_obs_length=16"])  # a response budget that fits what the prompt leaves
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -1,0 +1,105 @@
+"""Issue 22: configs that were accepted and then stalled or misbehaved are refused when loaded, each in one
+``error:`` report naming the keys (exit 2); a YAML key given twice is an error naming the key and line (YAML keeps
+the last one silently); ``run.name`` cannot leave ``run.output_dir``; a retrieval server bound beyond loopback says
+so when it starts. The shipped configs still load (tests/unit/test_config.py loads both)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import retriever.cli
+from async_agent_rl.config import ConfigError, load_config
+from driver.cli import main
+from retriever.server import exposure_warning
+
+pytestmark = pytest.mark.unit
+
+REFUSED = [
+    # defaults: model.max_model_len 2048, data.max_prompt_length 512, rollout.max_response_length 512,
+    # rollout.max_obs_length 256, learner.batch_size 40, rollout.group_size 5
+    (["buffer.capacity_tokens=2047"], "buffer.capacity_tokens (2047) must be at least model.max_model_len (2048)"),
+    (["buffer.capacity_trajectories=39"], "buffer.capacity_trajectories (39) must be at least learner.batch_size (40)"),
+    (["rollout.max_response_length=1537"],
+     "rollout.max_response_length (1537) must be at most model.max_model_len - data.max_prompt_length "
+     "(2048 - 512 = 1536)"),
+    (["model.max_model_len=1000"], "rollout.max_response_length (512) must be at most model.max_model_len"),
+    (["rollout.max_obs_length=513"], "rollout.max_obs_length (513) must be at most rollout.max_response_length (512)"),
+    (["learner.batch_size=42", "learner.mini_batch_size=42", "learner.micro_batch_size=42"],
+     "learner.batch_size (42) must be a multiple of rollout.group_size (5)"),  # was already refused
+    (["run.name=../../elsewhere"], "run.name: Value error, must be one plain folder name inside run.output_dir"),
+    (["run.name=/tmp/abs"], "run.name: Value error, must be one plain folder name"),
+    (["run.name=a/b"], "run.name: Value error, must be one plain folder name"),
+    (["run.name=a\\b"], "run.name: Value error, must be one plain folder name"),
+    (["run.name=.."], "run.name: Value error, must be one plain folder name"),
+    (["run.name=''"], "run.name: Value error, must be one plain folder name"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED, ids=[" ".join(r[0]) for r in REFUSED])
+def test_a_config_that_would_stall_or_misbehave_is_refused_in_one_error(overrides, message, capsys):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+    code = main(["config", "show", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [err.splitlines()[0]], err
+    assert message in err
+
+
+ACCEPTED = [
+    ["buffer.capacity_tokens=2048", "buffer.capacity_trajectories=40"],  # exactly a full trajectory, a batch
+    ["rollout.max_response_length=1536", "rollout.max_obs_length=1536"],  # exactly what the prompt leaves
+    ["run.name=seed0-rl"], ["run.name=a.b"], ["run.name=..x"],
+]
+
+
+@pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(a) for a in ACCEPTED])
+def test_the_edges_still_load(overrides):
+    load_config(None, overrides)
+
+
+@pytest.mark.parametrize("text, key, line, first", [
+    ("learner:\n  lr: 1.0e-5\n  total_steps: 3\n  lr: 2.0e-5\n", "lr", 4, 2),
+    ("run:\n  name: a\nrun:\n  device: cpu\n", "run", 3, 1),
+    ("rollout: {group_size: 2, group_size: 4}\n", "group_size", 1, 1),
+])  # fmt: skip
+def test_a_key_given_twice_in_a_config_file_is_an_error_naming_it(tmp_path, capsys, text, key, line, first):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    code = main(["config", "show", "--config", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip() == (f"error: config file {path}: line {line}: duplicate key {key!r} (first on line {first}; "
+                           "YAML would keep the last one silently)")
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("learner: &base\n  lr: 1.0e-5\nsft:\n  <<: *base\n  lr: 1.0e-3\n")
+    assert load_config(path).sft.lr == 1e-3
+
+
+def test_a_retrieval_server_beyond_loopback_warns_when_it_starts(tmp_path, monkeypatch, capsys):
+    """``retriever serve --host``: a warning line on stderr naming the address (serving itself is stubbed: what is
+    tested is the command's start; the warning text is the one ``train`` prints for ``retriever.host``)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "contents": '"Alpha"\nAlpha is a city.'}) + "\n")
+    served = []
+
+    async def serve_until_signalled(backend, config, announce=""):
+        served.append(config.host)
+
+    monkeypatch.setattr(retriever.cli, "serve_until_signalled", serve_until_signalled)
+    for host in ("0.0.0.0", "127.0.0.1", "::1", "localhost"):
+        assert main(["retriever", "serve", "--corpus", str(corpus), "--host", host, "--port", "0"]) == 0
+        err = capsys.readouterr().err
+        warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+        if host == "0.0.0.0":
+            assert warnings == [f"warning: {exposure_warning(host)}"] and "listens on 0.0.0.0" in warnings[0]
+        else:
+            assert warnings == [], err
+    assert served == ["0.0.0.0", "127.0.0.1", "::1", "localhost"]
+    assert exposure_warning("192.0.2.7") and exposure_warning("::") and not exposure_warning("127.0.0.2")
