@@ -57,30 +57,35 @@ class TrainBatch:
         return int(self.input_ids.shape[0])
 
     @property
+    def real_rows(self) -> int:
+        """Rows holding a trajectory (``len(metas)``); the rest are filler (``pack_batch``), always last."""
+        return len(self.metas)
+
+    @property
     def seq_lengths(self) -> torch.Tensor:
         """(B,) int64: prompt + response tokens of each row (padding excluded)."""
         return self.attention_mask.sum(dim=1)
 
     def min_versions(self) -> list[int]:
-        """Per row, the oldest policy version among its generated tokens; ``OBS_VERSION`` for a row that generated
-        nothing (what ``staleness.staleness`` measures from)."""
+        """Per trajectory row (filler rows excluded), the oldest policy version among its generated tokens;
+        ``OBS_VERSION`` for a row that generated nothing (what ``staleness.staleness`` measures from)."""
         never = torch.iinfo(torch.int64).max
-        oldest = torch.where(self.versions != OBS_VERSION, self.versions, never).min(dim=1).values
+        oldest = torch.where(self.versions != OBS_VERSION, self.versions, never).min(dim=1).values[: self.real_rows]
         return [OBS_VERSION if v == never else int(v) for v in oldest.tolist()]
 
     def summary(self) -> dict[str, float]:
         """What the batch's episodes looked like (means over rows): ``response_length`` (model + observation
         tokens), ``generated_tokens``, ``searches``, ``search_errors``, ``turns``, ``answered`` (fraction that
         ended with an answer) and ``reward``. Logged per step; the ablation report plots them."""
-        n = max(1, self.batch_size)
+        n = max(1, self.real_rows)
         return {
-            "response_length": float((self.seq_lengths - self.prompt_lengths).float().mean()),
+            "response_length": float((self.seq_lengths - self.prompt_lengths)[: self.real_rows].float().mean()),
             "generated_tokens": float(self.loss_mask.sum()) / n,
             "searches": sum(m.num_searches for m in self.metas) / n,
             "search_errors": sum(m.num_search_errors for m in self.metas) / n,
             "turns": sum(m.num_turns for m in self.metas) / n,
             "answered": sum(m.finish_reason == "answer" for m in self.metas) / n,
-            "reward": float(self.rewards.float().mean()),
+            "reward": float(self.rewards[: self.real_rows].float().mean()),
         }
 
     def to(self, device: str | torch.device) -> "TrainBatch":
@@ -88,13 +93,20 @@ class TrainBatch:
         return dataclasses.replace(self, **moved)
 
 
-def pack_batch(trajs: Sequence[Trajectory], pad_id: int, pad_to_multiple_of: int = 1) -> TrainBatch:
-    """Right-pad ``trajs`` into a ``TrainBatch`` (row ``i`` is ``trajs[i]``)."""
+def pack_batch(trajs: Sequence[Trajectory], pad_id: int, pad_to_multiple_of: int = 1,
+               rows: int | None = None) -> TrainBatch:
+    """Right-pad ``trajs`` into a ``TrainBatch`` (row ``i`` is ``trajs[i]``). With ``rows`` above ``len(trajs)``
+    (a batch of whole groups some of which lost members), the missing rows are *filler*: ``pad_id`` over the
+    shortest prompt's length, no response, no loss token, reward 0, a group of their own and no ``metas`` entry;
+    they keep the learner's shapes fixed and change no gradient (``TrainBatch.real_rows`` counts the others)."""
     if not trajs:
         raise ValueError("pack_batch needs at least one trajectory")
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-    rows = len(trajs)
+    real = len(trajs)
+    rows = real if rows is None else rows
+    if rows < real:
+        raise ValueError(f"pack_batch got {real} trajectories for {rows} rows")
     longest = max(t.total_length for t in trajs)
     width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
 
@@ -125,6 +137,11 @@ def pack_batch(trajs: Sequence[Trajectory], pad_id: int, pad_to_multiple_of: int
         rewards[i] = t.reward
         key = t.meta.group_id or f"\0row{i}"  # an empty group id is a group of one
         group_index[i] = group_ids.setdefault(key, len(group_ids))
+    filler_prompt = int(prompt_lengths[:real].min())
+    for i in range(real, rows):
+        attention_mask[i, :filler_prompt] = 1
+        prompt_lengths[i] = filler_prompt
+        group_index[i] = len(group_ids) + i - real
 
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),

@@ -236,6 +236,8 @@ class RecordSummary:
     priority: float  # ``meta.extra["priority"]``, 0 when absent
     reward: float
     correct: float | None  # ``reward_components["exact_match"]`` when scored
+    response_tokens: int = 0  # model + observation tokens
+    turns: int = 0  # ``meta.num_turns``
 
 
 def peek(blob: bytes) -> RecordSummary:
@@ -264,6 +266,8 @@ def peek(blob: bytes) -> RecordSummary:
             priority=float((meta.get("extra") or {}).get("priority", 0.0)),
             reward=float(d.get("reward", 0.0)),
             correct=(d.get("reward_components") or {}).get("exact_match"),
+            response_tokens=n,
+            turns=int(meta.get("num_turns") or 0),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, RecordError):

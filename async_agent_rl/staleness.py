@@ -1,4 +1,4 @@
-"""Staleness arithmetic and AReaL's admission rule (docs/ALGORITHMS.md section 4).
+"""Staleness arithmetic and the admission rule that paces generation (docs/ALGORITHMS.md section 4).
 
 Staleness of a trajectory consumed by a learner at version ``v``::
 
@@ -7,48 +7,52 @@ Staleness of a trajectory consumed by a learner at version ``v``::
 A trajectory with no generated token has nothing off-policy in it: its staleness is 0. The one knob is
 ``max_staleness`` (eta); eta = 0 is synchronous, on-policy training.
 
-Admission (AReaL's ``StalenessManager``). With ``B`` trajectories consumed per policy version, ``accepted`` the
-finished episodes the buffer took and still counts (accepted minus evicted) and ``running`` the episodes in flight,
-a new episode may start at policy version ``v`` only while::
+Units: whole groups. The learner consumes ``N = B / G`` GRPO groups per policy version (``B`` trajectories, groups
+of ``G``); a batch is always ``N`` whole groups, and a group that lost members (rejected, its actor died, released
+partial) still fills one group's place (the batch then has fewer than ``B`` trajectories: the learner pads the rest
+with rows that carry no loss). So counting in groups, not trajectories, is exact whatever is lost.
 
-    accepted + running < (eta + v + 1) * B        and        running < max_concurrent
+Admission (pacing). Let ``live`` be the groups ever admitted that were not dropped (dropped: evicted unconsumed,
+or every member thrown away), consumed ones included, and ``v_old`` the oldest admission version among the groups
+not yet consumed nor dropped (the *open* groups), or the asking engine's version ``v`` if older or none is open.
+A new group may start only while::
 
-so ``capacity(v) = max(0, min(max_concurrent - running, (eta + v + 1) * B - (accepted + running)))``.
+    live + 1 <= (eta + v_old + 1) * N        and        running + G <= max_concurrent
 
-Claim: if the learner consumes exactly ``B`` trajectories per version, in the order they were admitted, and an
-episode admitted at version ``v`` generates with weights of version ``>= v``, no consumed trajectory has
-staleness above eta. Proof: let trajectory ``s`` be admitted at version ``v``. Every trajectory consumed before
-``s`` was admitted before it and neither rejected nor evicted, so it is counted in ``accepted + running`` at the
-moment ``s`` starts; with ``s`` itself that count is at most ``(eta + v + 1) * B``, so ``s`` has rank
-``r <= (eta + v + 1) * B - 1`` in the consumption order and is consumed at learner version ``floor(r / B) <= eta + v``.
-Its staleness is at most ``eta + v - v = eta``.
+Claim 1 (bounded staleness without discarding). If every token of a group admitted at version ``a`` is generated
+with weights of version ``>= a``, no group is ever consumed with staleness above eta, in any completion order and
+any serving order: finished work never goes stale. Proof: let ``s`` be open, admitted at ``a``. While ``s`` is open,
+every admission saw ``v_old <= a``, and ``live`` only grows by admissions, so ``live <= (eta + a + 1) * N`` for as
+long as ``s`` is open (groups admitted before ``s`` were counted when it was admitted). The learner at version ``u``
+has consumed ``u * N`` groups; without ``s`` it can consume at most ``live - 1 <= (eta + a + 1) * N - 1`` of them,
+so it reaches at most version ``eta + a`` before it consumes ``s``: staleness ``<= eta``. The price is pacing: the
+oldest open group holds back admission, and at learner version ``eta + a`` the learner waits for it.
 
-With eta = 0 the order does not even matter: the learner at version ``v`` needs ``(v + 1) * B`` trajectories in
-total, which is exactly the admission bound, so every trajectory started at ``v`` is consumed at ``v``.
+Claim 2 (no deadlock). Suppose the learner at version ``u`` waits (fewer than ``N`` ready groups: ``R < N``) and
+nothing is running or pending. Every open group is ready and (claim 1) has ``v_old >= u - eta``; engines reload
+every published version, so an asking engine has ``v >= u - eta`` too. Then ``live = u * N + R`` and
+``(eta + v_old + 1) * N >= (u + 1) * N >= live + 1``: a group is admitted. Lost episodes cannot block this: a group
+is one unit however many of its members arrive, and a group none of whose members arrive is dropped and frees its
+unit. ``tests/unit/test_staleness.py`` checks both claims on a model of the whole system over random loss
+patterns, eta 0..8 and group sizes 1..8.
 
-Episodes finish out of order in practice, so a straggler can still be overtaken and go stale; the replay buffer
-evicts (and counts) those at sampling time, which is why an eviction gives its admission slot back here.
+eta = 0 is synchronous: every group admitted at version ``v`` is consumed at ``v``.
 
-Whole groups. Grants come in whole GRPO groups (``granule``), and a group that lost a member (rejected, its actor
-died) frees less than a group. Rounding that room down would stop an eta = 0 run for good: the version's groups
-then hold ``B - 1`` rows, nothing is stale, nothing is freed. So the staleness room is rounded UP to a whole group
-(a replacement group at the same version; the concurrency cap is still rounded down): admission then runs at most
-``granule - 1`` episodes over the bound, and whatever that overshoot makes stale (at eta = 0: the short group, once
-the batch was filled from whole groups) is evicted and counted by the buffer. No consumed trajectory ever has
-staleness above eta.
+The replay buffer still evicts a group found stale at sampling time (a safety net: a resumed run with a smaller
+eta, an engine that mislabels its version); with pacing it never fires, and ``stats().evicted["stale"]`` shows it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 from async_agent_rl.records import OBS_VERSION
 from async_agent_rl.stats import AdmissionStats
 
 
 class AdmissionError(ValueError):
-    """The admission counters were driven inconsistently (more finished than started, ...)."""
+    """The admission counters were driven inconsistently (more finished than started, an unknown group, ...)."""
 
 
 def staleness(learner_version: int, traj_min_version: int) -> int:
@@ -69,26 +73,29 @@ def group_min_version(min_versions: Iterable[int]) -> int:
     return min(generated) if generated else OBS_VERSION
 
 
-def admission_capacity(
-    version: int, *, max_staleness: int, batch_size: int, accepted: int, running: int, max_concurrent: int
-) -> int:
-    """Episodes that may start now at policy ``version``:
-    ``max(0, min(max_concurrent - running, (max_staleness + version + 1) * batch_size - (accepted + running)))``.
+def admission_room(version: int, *, max_staleness: int, groups_per_version: int, live_groups: int,
+                   oldest_open_version: int | None) -> int:
+    """Groups that may start now by the staleness bound (module docstring):
+    ``max(0, (eta + v_old + 1) * N - live)`` with ``v_old = min(version, oldest_open_version)``."""
+    v_old = version if oldest_open_version is None else min(version, oldest_open_version)
+    return max(0, (max_staleness + v_old + 1) * groups_per_version - live_groups)
 
-    ``accepted`` counts finished episodes the buffer still accounts for (accepted minus evicted); ``batch_size`` is
-    the number of trajectories the learner consumes per policy version.
-    """
-    by_staleness = (max_staleness + version + 1) * batch_size - (accepted + running)
-    return max(0, min(max_concurrent - running, by_staleness))
+
+@dataclass
+class _OpenGroup:
+    version: int  # the engine version it was admitted at
+    running: int  # members not yet ended
+    kept: int = 0  # members accepted into the buffer
 
 
 @dataclass
 class AdmissionState:
     """Counters behind the admission rule; the buffer actor owns one and the rollout actors consult it.
 
-    All counters only grow. Derived: ``running = started - accepted - rejected`` (episodes in flight) and
-    ``live = accepted - evicted`` (what the capacity rule calls accepted). Grants come in multiples of ``granule``
-    (the GRPO group size), so a group is admitted whole or not at all.
+    ``batch_size``: trajectories the learner consumes per policy version (a multiple of ``granule``, the group size).
+    Trajectory counters (``started``, ``accepted``, ``rejected``, ``evicted``; ``running = started - accepted -
+    rejected``) are for monitoring; the rule counts groups (``groups_started``, ``groups_dropped``,
+    ``groups_consumed``, and the open groups with their admission versions).
     """
 
     max_staleness: int
@@ -99,12 +106,27 @@ class AdmissionState:
     accepted: int = 0
     rejected: int = 0
     evicted: int = 0
+    groups_started: int = 0
+    groups_dropped: int = 0
+    groups_consumed: int = 0
+    open: dict[str, _OpenGroup] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.batch_size < 1 or self.max_concurrent < 1 or self.granule < 1:
             raise ValueError(
-                f"AdmissionState needs max_staleness >= 0, batch_size, max_concurrent and granule >= 1, got {self}"
-            )
+                f"AdmissionState needs max_staleness >= 0, batch_size, max_concurrent and granule >= 1, got "
+                f"max_staleness={self.max_staleness}, batch_size={self.batch_size}, "
+                f"max_concurrent={self.max_concurrent}, granule={self.granule}")
+        if self.batch_size % self.granule:
+            raise ValueError(f"the trajectories consumed per version ({self.batch_size}) must be a multiple of the "
+                             f"group size ({self.granule}): batches are made of whole groups")
+        if self.max_concurrent < self.granule:
+            raise ValueError(f"max_concurrent ({self.max_concurrent}) is below the group size ({self.granule}): "
+                             "no group could ever start")
+
+    @property
+    def groups_per_version(self) -> int:
+        return self.batch_size // self.granule
 
     @property
     def running(self) -> int:
@@ -112,72 +134,125 @@ class AdmissionState:
 
     @property
     def live(self) -> int:
+        """Accepted trajectories not evicted (consumed ones included)."""
         return self.accepted - self.evicted
 
+    @property
+    def live_groups(self) -> int:
+        return self.groups_started - self.groups_dropped
+
+    @property
+    def oldest_open_version(self) -> int | None:
+        return min((g.version for g in self.open.values()), default=None)
+
+    def room(self, version: int) -> int:
+        """Groups the staleness bound lets start now at ``version`` (the concurrency cap aside)."""
+        return admission_room(version, max_staleness=self.max_staleness, groups_per_version=self.groups_per_version,
+                              live_groups=self.live_groups, oldest_open_version=self.oldest_open_version)
+
     def capacity(self, version: int) -> int:
-        return admission_capacity(
-            version,
-            max_staleness=self.max_staleness,
-            batch_size=self.batch_size,
-            accepted=self.live,
-            running=self.running,
-            max_concurrent=self.max_concurrent,
-        )
+        """Episodes that may start now at ``version``: whole groups, by both bounds."""
+        by_concurrency = (self.max_concurrent - self.running) // self.granule
+        return max(0, min(self.room(version), by_concurrency)) * self.granule
 
-    def try_start(self, n: int, version: int) -> int:
-        """Ask to start ``n`` episodes with weights of ``version``; returns how many may start (a multiple of
-        ``granule``, possibly 0: wait for the learner to move on), the staleness room rounded up to a whole group
-        (module docstring). The grant counts as running at once."""
-        if n < 1:
-            raise AdmissionError(f"try_start needs n >= 1, got {n}")
-        g = self.granule
-        by_staleness = (self.max_staleness + version + 1) * self.batch_size - (self.live + self.running)
-        if by_staleness <= 0:
+    def try_start(self, n: int, version: int, group_id: str) -> int:
+        """Ask to start one group (``n`` must be the group size) with weights of ``version``; returns ``n`` if it
+        may start (its members count as running at once) or 0 (wait for the learner or for running episodes)."""
+        if n != self.granule:
+            raise AdmissionError(f"try_start admits one group of {self.granule} episodes at a time, not {n}")
+        if group_id in self.open:
+            raise AdmissionError(f"group {group_id!r} was already admitted")
+        if self.capacity(version) < n:
             return 0
-        granted = max(0, min(n // g, (self.max_concurrent - self.running) // g, -(-by_staleness // g))) * g
-        self.started += granted
-        return granted
+        self.open[group_id] = _OpenGroup(version, running=n)
+        self.groups_started += 1
+        self.started += n
+        return n
 
-    def on_finished(self, n: int, accepted: bool) -> None:
-        """``n`` running episodes ended: taken by the buffer (``accepted``) or thrown away (rejected)."""
-        if n < 0 or n > self.running:
-            raise AdmissionError(f"{n} episodes reported finished but only {self.running} are running")
+    def _group(self, group_id: str) -> _OpenGroup:
+        group = self.open.get(group_id)
+        if group is None:
+            raise AdmissionError(f"group {group_id!r} is not open (never admitted, or already consumed or dropped)")
+        return group
+
+    def on_finished(self, group_id: str, n: int, accepted: bool) -> None:
+        """``n`` running members of ``group_id`` ended: taken by the buffer (``accepted``) or thrown away. A group
+        all of whose members were thrown away is dropped: its unit is free again."""
+        group = self._group(group_id)
+        if n < 0 or n > group.running:
+            raise AdmissionError(f"{n} members of group {group_id!r} reported finished but only {group.running} "
+                                 "are running")
+        group.running -= n
         if accepted:
+            group.kept += n
             self.accepted += n
         else:
             self.rejected += n
+            if group.running == 0 and group.kept == 0:
+                self._close(group_id, dropped=True)
 
-    def on_evicted(self, n: int) -> None:
-        """The buffer evicted ``n`` accepted trajectories; their slots become free again."""
-        if n < 0 or n > self.live:
-            raise AdmissionError(f"{n} trajectories reported evicted but only {self.live} are accepted and live")
+    def on_evicted(self, group_id: str, n: int) -> None:
+        """The buffer evicted group ``group_id`` (``n`` accepted members) unconsumed: dropped, its unit is free."""
+        group = self._group(group_id)
+        if n != group.kept:
+            raise AdmissionError(f"{n} trajectories of group {group_id!r} reported evicted; {group.kept} were "
+                                 "accepted")
         self.evicted += n
+        if group.running:  # members still under way are thrown away when they arrive (the buffer refuses them)
+            self.rejected += group.running
+        self._close(group_id, dropped=True)
 
+    def on_consumed(self, group_id: str) -> None:
+        """The learner took group ``group_id`` in a batch: it leaves the open set (and still counts in ``live``)."""
+        group = self._group(group_id)
+        self.rejected += group.running  # released before they arrived (partial_groups=release): too late now
+        self.groups_consumed += 1
+        self._close(group_id, dropped=False)
+
+    def _close(self, group_id: str, dropped: bool) -> None:
+        del self.open[group_id]
+        if dropped:
+            self.groups_dropped += 1
+
+    # ------------------------------------------------------------------------------------------- monitoring
     def stats(self) -> AdmissionStats:
         return AdmissionStats(**self.counters())
 
     def counters(self) -> dict[str, int]:
+        oldest = self.oldest_open_version
         return {
             "started": self.started,
             "accepted": self.accepted,
             "rejected": self.rejected,
             "evicted": self.evicted,
             "running": self.running,
+            "groups_started": self.groups_started,
+            "groups_dropped": self.groups_dropped,
+            "groups_consumed": self.groups_consumed,
+            "groups_open": len(self.open),
+            "oldest_open_version": -1 if oldest is None else oldest,
         }
 
+    # ----------------------------------------------------------------------------------------------- restart
+    def state(self) -> dict[str, Any]:
+        """Everything ``resumed`` needs (msgpack-able)."""
+        return {**self.counters(), "open": {gid: [g.version, g.running, g.kept] for gid, g in self.open.items()}}
+
     @classmethod
-    def resumed(
-        cls, counters: dict[str, int], *, max_staleness: int, batch_size: int, max_concurrent: int, granule: int = 1
-    ) -> "AdmissionState":
-        """Rebuild from ``counters()`` saved before a restart. Episodes that were running did not survive the
-        restart: they are counted as rejected, so ``running`` starts at 0."""
-        return cls(
-            max_staleness=max_staleness,
-            batch_size=batch_size,
-            max_concurrent=max_concurrent,
-            granule=granule,
-            started=counters["started"],
-            accepted=counters["accepted"],
-            rejected=counters["rejected"] + counters["running"],
-            evicted=counters["evicted"],
-        )
+    def resumed(cls, state: dict[str, Any], *, max_staleness: int, batch_size: int, max_concurrent: int,
+                granule: int = 1) -> "AdmissionState":
+        """Rebuild from ``state()`` saved before a restart. Episodes that were running did not survive it: they
+        count as rejected, so ``running`` starts at 0 (a group none of whose members had arrived is dropped)."""
+        adm = cls(max_staleness=max_staleness, batch_size=batch_size, max_concurrent=max_concurrent,
+                  granule=granule, started=int(state["started"]), accepted=int(state["accepted"]),
+                  rejected=int(state["rejected"]), evicted=int(state["evicted"]),
+                  groups_started=int(state.get("groups_started", 0)),
+                  groups_dropped=int(state.get("groups_dropped", 0)),
+                  groups_consumed=int(state.get("groups_consumed", 0)))
+        adm.rejected += int(state["running"])
+        for gid, (version, running, kept) in dict(state.get("open", {})).items():
+            if kept:
+                adm.open[str(gid)] = _OpenGroup(int(version), running=0, kept=int(kept))
+            else:
+                adm.groups_dropped += 1
+        return adm

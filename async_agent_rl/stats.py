@@ -108,13 +108,20 @@ class RolloutStats(EpisodeCounters):
 # ------------------------------------------------------------------------------------------------------ buffer
 @dataclass
 class AdmissionStats:
-    """``AdmissionState``'s counters: totals, and ``running`` episodes in flight."""
+    """``AdmissionState``'s counters: episode totals and ``running`` episodes in flight; the pacing rule's group
+    counts (``groups_open``: admitted, neither consumed nor dropped; ``oldest_open_version``: the oldest admission
+    version among them, -1 when none is open)."""
 
     started: int = 0
     accepted: int = 0
     rejected: int = 0
     evicted: int = 0
     running: int = 0
+    groups_started: int = 0
+    groups_dropped: int = 0
+    groups_consumed: int = 0
+    groups_open: int = 0
+    oldest_open_version: int = -1
 
 
 @dataclass
@@ -143,11 +150,15 @@ class BufferStats:
     evicted: dict[str, int] = field(default_factory=dict)  # by reason
     filtered_groups: dict[str, int] = field(default_factory=dict)  # all_correct, all_wrong, all_equal
     staleness_histogram: dict[int, int] = field(default_factory=dict)  # consumed trajectories by staleness
+    # trajectories by response-length bucket (tokens) and by turns, per stage: generated, consumed, evicted
+    length_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
+    length_turns: dict[str, dict[str, int]] = field(default_factory=dict)
     # the buffer actor's
     incarnation: str = ""
     admission: AdmissionStats = field(default_factory=AdmissionStats)
     lost_episodes: dict[str, int] = field(default_factory=dict)  # by rollout actor
     late_pushes: int = 0
+    late_rejects: int = 0
 
     @property
     def evicted_total(self) -> int:

@@ -61,7 +61,7 @@ class Producer:
 
     def make(self, name: str, n: int, group_size: int) -> int:
         """Encode ``n`` distinct trajectories (``n / group_size`` groups) ahead of the timed push."""
-        self.blobs = []
+        self.blobs, self.group_size = [], group_size
         for i in range(n):
             self.wire["meta"]["group_id"] = f"{name}-{i // group_size}"
             self.wire["meta"]["trajectory_id"] = f"{name}-{i}"
@@ -73,8 +73,9 @@ class Producer:
         waits = 0
         for i in range(0, len(self.blobs), batch):
             chunk = self.blobs[i : i + batch]
-            while ray.get(buffer.try_start.remote(len(chunk), 0)) < len(chunk):
-                time.sleep(0.001)
+            for gid in dict.fromkeys(msgpack.unpackb(b)["meta"]["group_id"] for b in chunk):
+                while ray.get(buffer.try_start.remote(self.group_size, 0, gid, "bench")) == 0:
+                    time.sleep(0.001)
             waits += push_all(buffer, chunk, poll_s=0.001)
         return waits
 

@@ -2,16 +2,17 @@
 
 Protocol for a rollout actor (every call carries a batch; an actor round trip costs ~0.5 ms):
 
-1. ``n = try_start(k, version)`` with ``version`` the policy version of its engine's weights; start ``n`` episodes
-   (whole groups; 0 means wait and ask again).
+1. ``n = try_start(group_size, version, group_id, actor_id)`` with ``version`` the policy version of its engine's
+   weights; start the group's ``n`` episodes (0 means wait and ask again: the pacing rule of
+   ``async_agent_rl.staleness``).
 2. ``push_all(actor, blobs)`` / ``await push_all_async(actor, blobs)`` for the finished ones (wire bytes); these
    resend the refused rest while the buffer reports ``full``.
 3. ``reject(group_ids)`` for episodes thrown away (one group id per episode), so the slot is freed and the group
    does not wait for them.
 
-A push of an episode that was already counted lost (``actor_lost``: its actor was declared dead, perhaps while
-its last push was still on the way) is dropped and counted in ``stats().late_pushes``: it was rejected once, and
-taking it now would spend another actor's running slot (and raise ``AdmissionError`` in that actor's push).
+A push of an episode its group no longer expects (``actor_lost``: its actor was declared dead, perhaps while its
+last push was still on the way; or the group was already consumed or dropped) is dropped and counted in
+``stats().late_pushes``: it was rejected once. A rejection of one is ignored and counted in ``late_rejects``.
 
 The learner's batches: ``sample_batch(version, timeout_s)`` returns a packed ``TrainBatch`` of ``batch_size``
 trajectories (padded with ``pad_id``; both fixed when the actor is created) as soon as the buffer can make one up at
@@ -62,91 +63,108 @@ class BufferActor:
             granule=group_size,
         )
         self.admission = AdmissionState(**self._admission_args)
-        self.buffer = ReplayBuffer(config, group_size, on_evict=self._on_evict)
+        self.buffer = self._new_buffer()
         self._samples = 0
         self.incarnation = new_incarnation()
-        # episodes admitted but not yet pushed or rejected, per group, and the actor running them: when an actor
-        # dies its in-flight episodes are counted lost (``actor_lost``) so admission slots and groups never leak
-        self._inflight: dict[str, list] = {}  # group_id -> [actor_id, episodes in flight]
+        self._owner: dict[str, str] = {}  # group id -> the rollout actor running it (while it is open)
         self._lost: dict[str, int] = {}
-        self._lost_groups: set[str] = set()  # groups with episodes counted lost: later pushes of them are late
         self._late_pushes = 0
-        self._pushing = False
-        self._evicted_in_push = 0
+        self._late_rejects = 0
+        self._deferred: Optional[list[tuple[int, str]]] = None  # evictions seen inside a push
+
+    def _new_buffer(self) -> ReplayBuffer:
+        return ReplayBuffer(self.config, self.group_size, on_evict=self._on_evict, on_consume=self._on_consume)
 
     def _wake(self) -> None:
         self._changed.set()
 
-    def _on_evict(self, n: int) -> None:
-        if self._pushing:  # a group completed by this push was filtered: its members are not counted accepted yet
-            self._evicted_in_push += n
+    def _on_evict(self, n: int, group_id: str) -> None:
+        if self._deferred is not None:  # a group completed by this push was filtered: its members are not counted yet
+            self._deferred.append((n, group_id))
         else:
-            self.admission.on_evicted(n)
+            self._closed(group_id)
+            self.admission.on_evicted(group_id, n)
+
+    def _on_consume(self, group_id: str) -> None:
+        self._closed(group_id)
+        self.admission.on_consumed(group_id)
+
+    def _closed(self, group_id: str) -> None:
+        self._owner.pop(group_id, None)
+
+    def _running(self, group_id: str) -> int:
+        group = self.admission.open.get(group_id)
+        return 0 if group is None else group.running
 
     # ---------------------------------------------------------------------------------------- rollout actors
-    def try_start(self, n: int, version: int, group_id: Optional[str] = None, actor_id: str = "") -> int:
-        """Admission for ``n`` episodes at policy ``version``; with ``group_id`` the grant is tracked per actor so
-        ``actor_lost`` can account for it."""
-        granted = self.admission.try_start(n, version)
-        if granted and group_id is not None:
-            entry = self._inflight.setdefault(group_id, [actor_id, 0])
-            entry[1] += granted
+    def try_start(self, n: int, version: int, group_id: str, actor_id: str = "") -> int:
+        """Admission for one group of ``n`` (= group size) episodes at policy ``version``; returns ``n`` or 0. The
+        grant is tracked per actor so ``actor_lost`` can account for it."""
+        granted = self.admission.try_start(n, version, group_id)
+        if granted:
+            self._owner[group_id] = actor_id
         return granted
 
     def push_many(self, blobs: Sequence[bytes]) -> PushResult:
-        """Store ``blobs`` (``PushResult`` over this list: the first ``accepted`` are handled); late ones (module
-        docstring) are dropped and counted."""
-        late = {i for i, b in enumerate(blobs) if peek_group_id(b) in self._lost_groups} if self._lost_groups else ()
-        if not late:
+        """Store ``blobs`` (``PushResult`` over this list: the first ``accepted`` are handled). A member of a group
+        that is no longer expecting it (module docstring: its actor was counted lost, or the group was already
+        consumed or dropped) is dropped and counted in ``late_pushes``."""
+        expecting: dict[str, int] = {}
+        kept: list[int] = []
+        for i, b in enumerate(blobs):
+            gid = peek_group_id(b)
+            left = expecting.setdefault(gid, self._running(gid))
+            if left > 0:
+                expecting[gid] = left - 1
+                kept.append(i)
+        if len(kept) == len(blobs):
             return self._push(blobs)
-        kept = [i for i in range(len(blobs)) if i not in late]
         result = self._push([blobs[i] for i in kept])
         handled = len(blobs) if result.accepted == len(kept) else kept[result.accepted]
-        self._late_pushes += sum(1 for i in late if i < handled)  # a late one resent after a refusal counts once
+        taken = set(kept)
+        self._late_pushes += sum(1 for i in range(handled) if i not in taken)  # a resent late one counts once
         return PushResult(handled, result.full)
 
     def _push(self, blobs: Sequence[bytes]) -> PushResult:
-        if len(blobs) > self.admission.running:
-            raise AdmissionError(
-                f"push of {len(blobs)} trajectories but only {self.admission.running} episodes were started "
-                "(call try_start first)"
-            )
-        self._pushing, self._evicted_in_push = True, 0
+        if not blobs:
+            return PushResult(0, False)
+        self._deferred = []
         try:
             result = self.buffer.push(blobs)
         finally:
-            self._pushing = False
-        self.admission.on_finished(result.accepted, accepted=True)
-        if self._evicted_in_push:
-            self.admission.on_evicted(self._evicted_in_push)
-        if self._inflight:
-            for blob in blobs[: result.accepted]:
-                self._done(peek_group_id(blob))
+            deferred, self._deferred = self._deferred, None
+        for blob in blobs[: result.accepted]:
+            self.admission.on_finished(peek_group_id(blob), 1, accepted=True)
+        for n, gid in deferred:
+            self._on_evict(n, gid)
         if result.accepted:
             self._wake()
         return result
 
     def reject(self, group_ids: Sequence[str]) -> None:
-        self.admission.on_finished(len(group_ids), accepted=False)
-        self.buffer.reject(group_ids)
+        """One member of each listed group was thrown away. A rejection for a group no longer expecting members
+        (its actor was already counted lost) is ignored and counted in ``late_rejects``."""
+        taken = []
         for gid in group_ids:
-            self._done(gid)
+            if self._running(gid) > 0:
+                self.admission.on_finished(gid, 1, accepted=False)
+                taken.append(gid)
+                if gid not in self.admission.open:
+                    self._closed(gid)
+            else:
+                self._late_rejects += 1
+        if taken:
+            self.buffer.reject(taken)
         self._wake()
 
-    def _done(self, group_id: str) -> None:
-        entry = self._inflight.get(group_id)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self._inflight[group_id]
-
     def actor_lost(self, actor_id: str) -> int:
-        """A rollout actor died: its in-flight episodes will never arrive. Each is rejected (admission slot
-        freed, its group released short or dropped) and counted in ``stats().lost_episodes``; returns how many."""
-        lost = [gid for gid, (actor, k) in self._inflight.items() if actor == actor_id for _ in range(k)]
+        """A rollout actor died: its in-flight episodes will never arrive. Each is rejected (its group released
+        short, or dropped and its admission unit freed) and counted in ``stats().lost_episodes``; returns how
+        many. A push of them arriving later is dropped and counted in ``late_pushes``."""
+        lost = [gid for gid, actor in list(self._owner.items()) if actor == actor_id
+                for _ in range(self._running(gid))]
         if lost:
             self.reject(lost)
-            self._lost_groups.update(lost)
         self._lost[actor_id] = self._lost.get(actor_id, 0) + len(lost)
         return len(lost)
 
@@ -168,7 +186,7 @@ class BufferActor:
             self._changed.clear()
             blobs = self.sample(self.batch_size, learner_version)
             if blobs is not None:
-                return pack_batch([Trajectory.decode(b) for b in blobs], self.pad_id)
+                return pack_batch([Trajectory.decode(b) for b in blobs], self.pad_id, rows=self.batch_size)
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -181,7 +199,8 @@ class BufferActor:
     # ---------------------------------------------------------------------------------------- monitoring, disk
     def stats(self) -> BufferStats:
         return dataclasses.replace(self.buffer.stats(), incarnation=self.incarnation, admission=self.admission.stats(),
-                                   lost_episodes=dict(self._lost), late_pushes=self._late_pushes)
+                                   lost_episodes=dict(self._lost), late_pushes=self._late_pushes,
+                                   late_rejects=self._late_rejects)
 
     def _path(self, path: Optional[str]) -> Path:
         if path is not None:
@@ -192,17 +211,22 @@ class BufferActor:
 
     def snapshot(self, path: Optional[str] = None) -> str:
         """Write the buffer and the admission counters; returns the file written."""
-        return str(self.buffer.snapshot(self._path(path), extra={"admission": self.admission.counters()}))
+        return str(self.buffer.snapshot(self._path(path), extra={"admission": self.admission.state()}))
 
     def restore(self, path: Optional[str] = None) -> BufferStats:
         """Replace the state with a snapshot's (raises ``SnapshotError`` naming the file); returns ``stats()``.
         Episodes that were running when the snapshot was taken count as rejected."""
-        buffer, extra = ReplayBuffer.restore(self._path(path), self.config, self.group_size, on_evict=self._on_evict)
+        buffer, extra = ReplayBuffer.restore(self._path(path), self.config, self.group_size, on_evict=self._on_evict,
+                                             on_consume=self._on_consume)
         try:
-            admission = AdmissionState.resumed(extra["admission"], **self._admission_args)
-        except (KeyError, TypeError, ValueError) as e:
+            state = extra["admission"]
+            admission = AdmissionState.resumed(state, **self._admission_args)
+            running = {str(gid): int(g[1]) for gid, g in dict(state.get("open", {})).items()}
+        except (KeyError, TypeError, ValueError, IndexError) as e:
             raise SnapshotError(f"snapshot {self._path(path)} has no valid admission counters: {e!r}") from None
-        self.buffer, self.admission = buffer, admission
+        self.buffer, self.admission, self._owner = buffer, admission, {}
+        # the members that were running did not survive the restart: their groups stop waiting for them
+        self.buffer.reject([gid for gid, n in running.items() for _ in range(n)])
         self.incarnation = new_incarnation()  # its totals are the snapshot's from here on
         self._wake()
         return self.stats()

@@ -19,10 +19,20 @@ A policy that earns the same reward everywhere (a random model: always 0) would 
 ``group_filter_max_streak`` filtered groups in a row the filter stands aside (equal-reward groups are kept and
 counted in ``zero_variance_kept``, with a warning) until a group with a reward spread arrives again.
 
-Sampling. ``sample(batch_size, v)`` returns exactly ``batch_size`` trajectories in whole groups (members adjacent), oldest
-first (``fifo``) or highest ``meta.extra["priority"]`` first (``priority``, a group's priority is its members'
-maximum, ties oldest first), or None while fewer groups are ready. Before choosing, every ready group with
-``staleness(v, min token version of the group) > max_staleness`` is evicted (reason ``stale``): a group goes whole.
+Sampling. ``sample(batch_size, v)`` returns ``batch_size / group_size`` whole groups (members adjacent): exactly
+``batch_size`` trajectories, fewer when a group lost members (the learner pads the batch), or None while fewer
+groups are ready. Groups are served oldest first by version (the group's oldest token version), then by arrival
+(``fifo``), or highest ``meta.extra["priority"]`` first (``priority``, a group's priority is its members' maximum,
+ties as ``fifo``). Oldest-first by version, not by completion: a group with one long, multi-search member
+completes last, and completion order would serve it last and evict it first. Before choosing, every ready group
+with ``staleness(v, min token version of the group) > max_staleness`` is evicted (reason ``stale``): a group goes
+whole. With the admission rule of ``async_agent_rl.staleness`` that never happens (finished work is not thrown
+away); it is a safety net.
+
+Length accounting. Every trajectory is counted by length bucket (response tokens, and turns) when it arrives
+(``generated``), when a batch takes it (``consumed``) and when it is evicted (``evicted``):
+``stats().length_tokens`` / ``length_turns``. Trained-on and generated distributions should agree; a system that
+drops slow episodes shows it here first.
 
 Capacity and backpressure. Memory is bounded by ``capacity_trajectories`` and ``capacity_tokens`` (prompt +
 response tokens), never exceeded. A trajectory that opens a new group must find room for the whole group on top
@@ -91,6 +101,8 @@ class _Item:
     pushed_at: float
     reward: float = 0.0
     correct: Optional[float] = None  # reward_components["exact_match"] when scored
+    response_tokens: int = 0
+    turns: int = 0
 
 
 @dataclass
@@ -118,7 +130,27 @@ def _peek(blob: bytes) -> tuple[str, _Item]:
     """Group id and index entry of one wire record (``records.peek``)."""
     r = peek(blob)
     return r.group_id, _Item(blob=blob, min_version=r.min_version, tokens=r.tokens, priority=r.priority,
-                             pushed_at=0.0, reward=r.reward, correct=r.correct)
+                             pushed_at=0.0, reward=r.reward, correct=r.correct, response_tokens=r.response_tokens,
+                             turns=r.turns)
+
+
+LENGTH_STAGES = ("generated", "consumed", "evicted")
+
+
+def tokens_bucket(n: int) -> str:
+    """Response-length bucket: ``<32``, then powers of two (``32-63``, ``64-127``, ...)."""
+    if n < 32:
+        return "<32"
+    lo = 1 << (n.bit_length() - 1)
+    return f"{lo}-{2 * lo - 1}"
+
+
+def turns_bucket(n: int) -> str:
+    """Turn-count bucket: the count itself up to 8, then ``9-16``, ``17-32``, ..."""
+    if n <= 8:
+        return str(n)
+    lo = 1 << ((n - 1).bit_length() - 1)
+    return f"{lo + 1}-{2 * lo}"
 
 
 def peek_group_id(blob: bytes) -> str:
@@ -127,15 +159,17 @@ def peek_group_id(blob: bytes) -> str:
 
 
 class ReplayBuffer:
-    """See the module docstring. ``on_evict(n)`` is told of every eviction (the admission state frees the slots);
-    ``clock`` gives seconds (monotonic) for timeouts and ages."""
+    """See the module docstring. ``on_evict(n, group_id)`` is told of every eviction and ``on_consume(group_id)`` of
+    every group a batch takes (the admission state's pacing follows both); ``clock`` gives seconds (monotonic) for
+    timeouts and ages."""
 
     def __init__(
         self,
         config: BufferConfig,
         group_size: int,
         *,
-        on_evict: Optional[Callable[[int], None]] = None,
+        on_evict: Optional[Callable[[int, str], None]] = None,
+        on_consume: Optional[Callable[[str], None]] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if group_size < 1 or group_size > config.capacity_trajectories:
@@ -145,10 +179,11 @@ class ReplayBuffer:
         self.config = config
         self.group_size = group_size
         self._on_evict = on_evict
+        self._on_consume = on_consume
         self._clock = clock
         self._pending: dict[str, _Group] = {}  # by group id, in order of first arrival
         self._ready: dict[int, _Group] = {}  # by release sequence number
-        self._order: list[tuple[float, int]] = []  # heap of (-priority or 0, seq); lazily skips gone groups
+        self._order: list[tuple[float, int, int]] = []  # heap of (-priority or 0, version, seq); skips gone groups
         self._by_version: list[tuple[int, int]] = []  # heap of (group min version, seq) for stale eviction
         self._seq = 0
         self._size = 0
@@ -160,6 +195,8 @@ class ReplayBuffer:
         self.filtered_groups: Counter[str] = Counter({k: 0 for k in ("all_correct", "all_wrong", "all_equal")})
         self._filtered_streak = 0  # zero-variance groups in a row
         self.staleness_histogram: Counter[int] = Counter()
+        self.length_tokens: dict[str, Counter[str]] = {k: Counter() for k in LENGTH_STAGES}
+        self.length_turns: dict[str, Counter[str]] = {k: Counter() for k in LENGTH_STAGES}
         if config.group_filter != "none" and group_size < 2:
             raise ValueError(f"group_filter={config.group_filter!r} needs group_size >= 2 (got {group_size})")
 
@@ -222,6 +259,7 @@ class ReplayBuffer:
         self._tokens += item.tokens
         self._bytes += len(item.blob)
         self.counters["pushed"] += 1
+        self._count_lengths("generated", [item])
         self._maybe_complete(group)
 
     def reject(self, group_ids: Sequence[str]) -> None:
@@ -273,57 +311,47 @@ class ReplayBuffer:
         self._evict(group, EVICT_ZERO_VARIANCE, f"every reward is {hi:g} ({kind})", quiet=True)
         return True
 
+    def _count_lengths(self, stage: str, items: Sequence[_Item]) -> None:
+        for it in items:
+            self.length_tokens[stage][tokens_bucket(it.response_tokens)] += 1
+            self.length_turns[stage][turns_bucket(it.turns)] += 1
+
     def _release(self, group: _Group) -> None:
         seq = self._seq
         self._seq += 1
         self._ready[seq] = group
         priority = -group.priority if self.config.sampling == "priority" else 0.0
-        heapq.heappush(self._order, (priority, seq))
+        heapq.heappush(self._order, (priority, group.min_version, seq))
         if group.min_version != OBS_VERSION:
             heapq.heappush(self._by_version, (group.min_version, seq))
 
     # ---------------------------------------------------------------------------------------------------- sample
     def sample_wire(self, batch_size: int, learner_version: int) -> Optional[list[bytes]]:
-        """Exactly ``batch_size`` trajectories as wire bytes, in whole groups, or None while the ready groups cannot
-        make up that many. Groups are taken in order; a short group (members lost or rejected) that would overflow
-        the batch is passed over and keeps its place, so it goes into a later batch or is evicted as stale."""
+        """``batch_size / group_size`` whole groups as wire bytes (``batch_size`` trajectories, fewer when groups
+        are short), oldest version first, or None while fewer groups are ready."""
         if batch_size < 1 or batch_size % self.group_size:
             raise ValueError(f"batch_size={batch_size} must be a positive multiple of group_size={self.group_size}")
         self.learner_version = learner_version
         self._expire_partial()
         self._evict_stale(learner_version)
-        chosen = self._fill(batch_size, short_ok=True) or self._fill(batch_size, short_ok=False)
-        if chosen is None:
+        want = batch_size // self.group_size
+        if len(self._ready) < want:
             return None
         out: list[bytes] = []
-        for _, seq in chosen:
-            group = self._ready.pop(seq)
+        for _ in range(want):
+            entry = heapq.heappop(self._order)
+            while entry[-1] not in self._ready:  # evicted earlier
+                entry = heapq.heappop(self._order)
+            group = self._ready.pop(entry[-1])
             for it in group.items:
                 self.staleness_histogram[staleness(learner_version, it.min_version)] += 1
                 out.append(it.blob)
             self._forget(group)
+            self._count_lengths("consumed", group.items)
             self.counters["sampled"] += len(group.items)
+            if self._on_consume is not None:
+                self._on_consume(group.gid)
         return out
-
-    def _fill(self, batch_size: int, short_ok: bool) -> Optional[list[tuple[float, int]]]:
-        """Order entries of ready groups that add up to exactly ``batch_size`` trajectories, taken greedily in
-        order (``short_ok=False``: full groups only, which always fill a multiple of group_size), or None. The
-        chosen entries are removed from the order; on None the order is left as it was."""
-        chosen, skipped, total = [], [], 0
-        while total < batch_size and self._order:
-            entry = heapq.heappop(self._order)
-            group = self._ready.get(entry[1])
-            if group is None:
-                continue  # evicted earlier
-            n = len(group.items)
-            if total + n > batch_size or (not short_ok and n < self.group_size):
-                skipped.append(entry)
-                continue
-            chosen.append(entry)
-            total += n
-        for entry in skipped + (chosen if total < batch_size else []):
-            heapq.heappush(self._order, entry)
-        return chosen if total == batch_size else None
 
     def sample(self, batch_size: int, learner_version: int) -> Optional[list[Trajectory]]:
         """Like ``sample_wire``, decoded."""
@@ -378,10 +406,11 @@ class ReplayBuffer:
         n = len(group.items)
         self.evicted[reason] += n
         self._forget(group)
+        self._count_lengths("evicted", group.items)
         (logger.debug if quiet else logger.warning)(
             "replay buffer: evicted %d trajectories of group %r (%s): %s", n, group.gid, reason, why)
         if self._on_evict is not None:
-            self._on_evict(n)
+            self._on_evict(n, group.gid)
 
     def _forget(self, group: _Group) -> None:
         self._size -= len(group.items)
@@ -410,6 +439,8 @@ class ReplayBuffer:
             evicted=dict(self.evicted),
             filtered_groups=dict(self.filtered_groups),
             staleness_histogram=dict(sorted(self.staleness_histogram.items())),
+            length_tokens={k: dict(v) for k, v in self.length_tokens.items()},
+            length_turns={k: dict(v) for k, v in self.length_turns.items()},
         )
 
     # ------------------------------------------------------------------------------------------------- snapshot
@@ -436,6 +467,8 @@ class ReplayBuffer:
                 "filtered_groups": dict(self.filtered_groups),
             "zero_variance_kept": self.counters["zero_variance_kept"],
                 "staleness_histogram": [[k, v] for k, v in self.staleness_histogram.items()],
+                "length_tokens": {k: dict(v) for k, v in self.length_tokens.items()},
+                "length_turns": {k: dict(v) for k, v in self.length_turns.items()},
                 "ready": [group_state(self._ready[s]) for s in sorted(self._ready)],
                 "pending": [group_state(g) for g in self._pending.values()],
                 "extra": extra or {},
@@ -451,7 +484,8 @@ class ReplayBuffer:
         config: BufferConfig,
         group_size: int,
         *,
-        on_evict: Optional[Callable[[int], None]] = None,
+        on_evict: Optional[Callable[[int, str], None]] = None,
+        on_consume: Optional[Callable[[str], None]] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> tuple["ReplayBuffer", dict[str, Any]]:
         """Rebuild a buffer from ``snapshot``; returns it and the snapshot's ``extra``. Raises ``SnapshotError``
@@ -463,13 +497,17 @@ class ReplayBuffer:
                 raise SnapshotError(
                     f"snapshot {path} was taken with group_size={state['group_size']}, this run has {group_size}"
                 )
-            buf = cls(config, group_size, on_evict=on_evict, clock=clock)
+            buf = cls(config, group_size, on_evict=on_evict, on_consume=on_consume, clock=clock)
             now = clock()
             buf.learner_version = int(state["learner_version"])
             buf.counters.update(state["counters"])
             buf.evicted.update(state["evicted"])
             buf.filtered_groups.update(state.get("filtered_groups", {}))
             buf.staleness_histogram.update({int(k): int(v) for k, v in state["staleness_histogram"]})
+            for name in ("length_tokens", "length_turns"):
+                for stage, counts in dict(state.get(name) or {}).items():
+                    if stage in LENGTH_STAGES:
+                        getattr(buf, name)[stage].update({str(b): int(c) for b, c in dict(counts).items()})
             for gs in state["ready"]:
                 buf._release(buf._restored_group(gs, now))
             for gs in state["pending"]:

@@ -428,7 +428,7 @@ class Learner:
             raise ValueError(f"batch has {batch.batch_size} rows; learner.batch_size is {lc.batch_size} "
                              f"(and must divide among {self.world_size} ranks)")
         w = _Window.of(batch, self.cfg.algorithm.mask_observations, self.device)
-        targets = self._targets(w)
+        targets = self._targets(w, batch.real_rows)
         lr = self._set_lr()
         metrics = _Metrics()
         for epoch in range(lc.ppo_epochs):
@@ -436,15 +436,17 @@ class Learner:
                 self._train_mini_batch(w, mini, targets, metrics)
         self.step += 1
         metrics.all_reduce(self.world_size, self.device)  # the whole batch's metrics on every rank, not this rank's rows
-        out = self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0, batch.min_versions())
+        out = self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0, batch.min_versions(),
+                                 batch.real_rows)
         checked = ("policy_loss", "grad_norm", "value_loss", "critic_grad_norm")
         require_finite(self.step, "loss or gradient norm", ((k, out[k]) for k in checked if k in out))
         stats = LearnerStats.from_dict(out)
         stats.batch = batch.summary()
         return stats
 
-    def _targets(self, w: _Window) -> _Targets:
-        """The no-grad passes over this rank's rows (proximal, reference, critic), then advantages over all rows."""
+    def _targets(self, w: _Window, real: int) -> _Targets:
+        """The no-grad passes over this rank's rows (proximal, reference, critic), then advantages over all rows
+        holding a trajectory (the first ``real``; filler rows after them get 0)."""
         alg = self.cfg.algorithm
         B = w.mask.shape[0]
         own = torch.arange(self.rank, B, self.world_size, device=self.device)
@@ -464,10 +466,15 @@ class Learner:
         values = None
         if self.critic is not None:
             values = self._all_rows(self._no_grad_pass(self._critic_forward, w, own), B)
+        R = slice(0, real)
         advantages, returns = compute_advantages(
-            place_outcome_rewards(w.rewards, w.mask), w.mask, estimator=alg.advantage_estimator,
-            stepwise=alg.stepwise_advantage, group_index=w.group_index, values=values, turn_index=w.turn_index,
+            place_outcome_rewards(w.rewards[R], w.mask[R]), w.mask[R], estimator=alg.advantage_estimator,
+            stepwise=alg.stepwise_advantage, group_index=w.group_index[R],
+            values=None if values is None else values[R], turn_index=w.turn_index[R],
             gamma=alg.gamma, lam=alg.lam, whiten=alg.whiten_advantages)
+        if real < B:  # filler rows: no loss token, no advantage
+            advantages = torch.cat([advantages, advantages.new_zeros(B - real, advantages.shape[1])])
+            returns = torch.cat([returns, returns.new_zeros(B - real, returns.shape[1])])
         return _Targets(behavior_logprobs, proximal_logprobs, ref_logprobs, advantages, returns, values)
 
     def _set_lr(self) -> float:
@@ -480,14 +487,15 @@ class Learner:
         return lc.lr * factor
 
     def _step_metrics(self, metrics: _Metrics, w: _Window, targets: _Targets, lr: float, step_time: float,
-                      min_versions: list[int]) -> dict[str, float]:
+                      min_versions: list[int], real: int) -> dict[str, float]:
         stale = [staleness(self.version, v) for v in min_versions]
         out = metrics.result()
         out.update(
             lr=lr,
             staleness_mean=sum(stale) / len(stale),
             staleness_max=float(max(stale)),
-            reward_mean=float(w.rewards.mean()),
+            reward_mean=float(w.rewards[:real].mean()),
+            filler_rows=float(w.rewards.shape[0] - real),
             advantage_mean=float(masked_mean(targets.advantages, w.mask)),
             loss_tokens=float(w.mask.sum()),
             step_time_s=step_time,

@@ -110,6 +110,22 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
             (rate("aar_buffer_evicted_total", "reason"), "{{reason}}"),
             (rate("aar_admission_rejected_total"), "admitted episodes not accepted"),
         ]),
+        ("Length bias: episodes by response tokens (share of stage)", "percentunit", [
+            ('sum by (tokens) (aar_buffer_episodes_by_length_total{stage="generated"}) / ignoring(tokens) '
+             'group_left sum(aar_buffer_episodes_by_length_total{stage="generated"})', "generated {{tokens}}"),
+            ('sum by (tokens) (aar_buffer_episodes_by_length_total{stage="consumed"}) / ignoring(tokens) '
+             'group_left sum(aar_buffer_episodes_by_length_total{stage="consumed"})', "trained on {{tokens}}"),
+        ]),
+        ("Length bias: episodes by turns (share of stage)", "percentunit", [
+            ('sum by (turns) (aar_buffer_episodes_by_turns_total{stage="generated"}) / ignoring(turns) '
+             'group_left sum(aar_buffer_episodes_by_turns_total{stage="generated"})', "generated {{turns}} turns"),
+            ('sum by (turns) (aar_buffer_episodes_by_turns_total{stage="consumed"}) / ignoring(turns) '
+             'group_left sum(aar_buffer_episodes_by_turns_total{stage="consumed"})', "trained on {{turns}} turns"),
+        ]),
+        ("Pacing: oldest open group", "short", [
+            ("aar_buffer_learner_version - aar_admission_oldest_open_version", "learner version - oldest open"),
+            ("aar_admission_groups_open", "open groups"),
+        ]),
     ]),
     ("Buffer", [
         ("Buffer fill", "percentunit", [

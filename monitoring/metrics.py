@@ -190,6 +190,15 @@ BUFFER_CONSUMED_STALENESS = _define(
     "buffer", "aar_buffer_consumed_staleness", HISTOGRAM,
     "staleness (learner version - oldest token version) of each trajectory when sampled", (), STALENESS_BUCKETS, field="staleness_histogram")
 
+BUFFER_EPISODES_BY_LENGTH = _define(
+    "buffer", "aar_buffer_episodes_by_length_total", COUNTER,
+    "trajectories by response length in tokens (bucket), at each stage: generated (arrived), consumed (trained on), "
+    "evicted; consumed and generated should have the same shape", ("stage", "tokens"), field="length_tokens")
+BUFFER_EPISODES_BY_TURNS = _define(
+    "buffer", "aar_buffer_episodes_by_turns_total", COUNTER,
+    "trajectories by number of model turns, at each stage: generated, consumed, evicted", ("stage", "turns"),
+    field="length_turns")
+
 # --------------------------------------------------------------------------------- admission (in the buffer actor)
 ADMISSION_STARTED = _define("admission", "aar_admission_started_total", COUNTER, "episodes admitted to start", field="started")
 ADMISSION_ACCEPTED = _define("admission", "aar_admission_accepted_total", COUNTER, "episodes accepted into the buffer", field="accepted")
@@ -198,6 +207,13 @@ ADMISSION_REJECTED = _define(
 ADMISSION_EVICTED = _define(
     "admission", "aar_admission_evicted_total", COUNTER, "accepted episodes later evicted (their slots freed)", field="evicted")
 ADMISSION_RUNNING = _define("admission", "aar_admission_running", GAUGE, "admitted episodes not yet ended", field="running")
+ADMISSION_GROUPS_OPEN = _define(
+    "admission", "aar_admission_groups_open", GAUGE, "admitted groups neither consumed nor dropped (the pacing rule's)",
+    field="groups_open")
+ADMISSION_OLDEST_OPEN_VERSION = _define(
+    "admission", "aar_admission_oldest_open_version", GAUGE,
+    "oldest admission version among open groups (-1: none); it holds back admission: learner version - this <= eta",
+    field="oldest_open_version")
 
 # ------------------------------------------------------------------------------------------------------ learner
 LEARNER_STEP = _define("learner", "aar_learner_step", GAUGE, "learner steps done", field="step")
@@ -396,9 +412,13 @@ def _values(spec: MetricSpec, message: Any, fixed: tuple[str, ...] = ()) -> list
     pairs = value.items() if isinstance(value, Mapping) else [(None, value)]
     out = []
     for key, v in pairs:
+        labels = (*fixed, str(key)) if key is not None else fixed
+        if isinstance(v, Mapping):  # a mapping of mappings: two labels (BufferStats.length_tokens: stage, bucket)
+            out += [((*labels, str(k2)), n) for k2, v2 in v.items() if (n := _num(v2)) is not None]
+            continue
         v = _num(v)
         if v is not None:
-            out.append(((*fixed, str(key)) if key is not None else fixed, v))
+            out.append((labels, v))
     return out
 
 

@@ -183,7 +183,8 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
     u = mon.updaters
     workers = {i: WorkerStats() for i in (0, 1)}
     adm = AdmissionState(max_staleness=2, batch_size=4, max_concurrent=64, granule=2)
-    buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=64), 2, on_evict=adm.on_evicted)
+    buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=64), 2,
+                       on_evict=lambda n, gid: adm.on_evicted(gid, n), on_consume=adm.on_consumed)
     u["eval"].update({"all": {"n": 20, "exact_match": 0.1, "f1": 0.2, "searches_per_question": 1.0,
                               "turns_per_question": 2.0}}, split="heldout", step=0)
     version = 0
@@ -201,9 +202,9 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
                 rollout.append(ws.message(index=i, version=version, search=client.stats(), ready=True,
                                           weight_updates=[WeightUpdate(version, seconds=0.05, pause_seconds=0.01)]))
             learner = publish = None
-            adm.try_start(2, version)
+            adm.try_start(2, version, f"g{tick}")
             buf.push([trajectory(f"g{tick}", 0, version), trajectory(f"g{tick}", 1, version)])
-            adm.on_finished(2, accepted=True)
+            adm.on_finished(f"g{tick}", 2, accepted=True)
             if tick % 2:
                 buf.sample(4, learner_version=version + 1)
                 version += 1

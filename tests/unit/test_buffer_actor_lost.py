@@ -4,7 +4,7 @@ import pytest
 
 from async_agent_rl.config import BufferConfig
 from buffer.actor import BufferActor
-from tests.unit.test_replay_buffer import ids, traj
+from tests.helpers import ids, traj
 
 pytestmark = pytest.mark.unit
 
@@ -49,7 +49,7 @@ def test_filtered_groups_free_their_admission_slots_and_batches_stay_full():
     assert b.try_start(2, 0, "more", "a0") == 0  # capacity (0 + 0 + 1) * 4 reached
     b.push_many([traj("dull", 0, reward=1.0), traj("dull", 1, reward=1.0)])  # filtered on arrival
     b.push_many([traj("good", 0, reward=1.0), traj("good", 1, reward=0.0)])
-    assert b.sample(4, 0) is None  # one useful group: the batch waits rather than going short
+    assert b.sample(4, 0) is None  # one useful group: the batch waits for a second one
     assert b.try_start(2, 0, "more", "a0") == 2  # the filtered group's slots were given back
     b.push_many([traj("more", 0, reward=0.0), traj("more", 1, reward=0.5)])
     assert len(b.sample(4, 0)) == 4
@@ -59,24 +59,32 @@ def test_filtered_groups_free_their_admission_slots_and_batches_stay_full():
 
 
 def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
-    """eta = 0, groups of 4, batches of 8: one rejected episode leaves the version's groups one row short. The slot
-    it frees is granted as a whole replacement group at the same version, so the learner gets a full batch of
-    version-0 rows; the short group goes stale at version 1 and is evicted, never consumed."""
+    """eta = 0, groups of 4, batches of 8: one rejected episode leaves a group of 3. A batch is two whole groups, so
+    the learner gets 7 trajectories of version 0 (padded to 8 by the learner) and nothing is thrown away; the next
+    version admits its two groups."""
     b = BufferActor(BufferConfig(max_staleness=0), group_size=4, consumed_per_version=8, max_concurrent=64,
                     batch_size=8)
     assert b.try_start(4, 0, "a", "actor0") == 4 and b.try_start(4, 0, "b", "actor0") == 4
+    assert b.try_start(4, 0, "c", "actor0") == 0  # the bound binds: two groups per version at eta 0
     b.push_many([traj("a", i) for i in range(4)] + [traj("b", i) for i in range(3)])
     b.reject(["b"])
-    assert b.sample(8, 0) is None  # 4 + 3 rows of version 0
-    assert b.try_start(4, 0, "c", "actor0") == 4  # the replacement
-    assert b.try_start(4, 0, "d", "actor0") == 0  # the bound still binds
-    b.push_many([traj("c", i) for i in range(4)])
     batch = b.sample(8, 0)
-    assert batch is not None and sorted(ids(batch)) == sorted([f"a/{i}" for i in range(4)] + [f"c/{i}" for i in range(4)])
-    assert b.sample(8, 1) is None  # version 1: the short group of version 0 is stale
+    assert batch is not None and sorted(ids(batch)) == sorted([f"a/{i}" for i in range(4)] + [f"b/{i}" for i in range(3)])
     s = b.stats()
-    assert s.evicted["stale"] == 3 and s.staleness_histogram == {0: 8}
-    assert b.try_start(8, 1, "e", "actor0") == 8  # and the next version admits its two groups
+    assert s.evicted["stale"] == 0 and s.staleness_histogram == {0: 7}
+    assert b.try_start(4, 0, "c", "actor0") == 0  # version 0's groups are spent ...
+    assert b.try_start(4, 1, "c", "actor0") == 4 and b.try_start(4, 1, "d", "actor0") == 4  # ... version 1 admits
+
+
+async def test_a_short_batch_is_packed_to_the_learners_rows_with_filler():
+    b = BufferActor(BufferConfig(max_staleness=0), group_size=4, consumed_per_version=8, max_concurrent=64,
+                    batch_size=8)
+    b.try_start(4, 0, "a", "actor0"), b.try_start(4, 0, "b", "actor0")
+    b.push_many([traj("a", i) for i in range(4)] + [traj("b", i) for i in range(2)])
+    b.reject(["b", "b"])
+    batch = await b.sample_batch(0, timeout_s=1)
+    assert batch.batch_size == 8 and batch.real_rows == 6
+    assert float(batch.loss_mask[6:].sum()) == 0 and len(batch.min_versions()) == 6
 
 
 def test_a_late_push_of_a_lost_episode_is_dropped_and_never_hurts_another_actor():

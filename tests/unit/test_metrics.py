@@ -259,11 +259,14 @@ def buffer_stats() -> tuple[BufferStats, ReplayBuffer, AdmissionState]:
     """A real ReplayBuffer: 3 groups of 2 at versions 0, 0, 1; one consumed at learner version 1 (staleness 1),
     then the other version-0 group evicted stale at learner version 4 (eta = 2)."""
     adm = AdmissionState(max_staleness=2, batch_size=2, max_concurrent=8, granule=2)
-    buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=16), 2, on_evict=adm.on_evicted)
-    adm.try_start(6, 0)
+    buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=16), 2,
+                       on_evict=lambda n, gid: adm.on_evicted(gid, n), on_consume=adm.on_consumed)
+    for g in "abc":
+        adm.try_start(2, 0, g)
     buf.push([traj("a", 0, 0), traj("a", 1, 0), traj("b", 0, 0), traj("b", 1, 0), traj("c", 0, 1),
               traj("c", 1, 1)])
-    adm.on_finished(6, accepted=True)
+    for g in "abc":
+        adm.on_finished(g, 2, accepted=True)
     return with_admission(buf, adm), buf, adm
 
 
@@ -283,6 +286,9 @@ def test_buffer_metrics_from_a_real_replay_buffer():
     assert value(reg, M.BUFFER_READY_GROUPS) == 3
     assert value(reg, M.BUFFER_EVICTED, reason="stale") == 0  # every reason exported from the start
     assert value(reg, M.ADMISSION_ACCEPTED) == 6
+    assert value(reg, M.BUFFER_EPISODES_BY_LENGTH, stage="generated", tokens="<32") == 6
+    assert value(reg, M.BUFFER_EPISODES_BY_TURNS, stage="generated", turns="0") == 6
+    assert value(reg, M.ADMISSION_GROUPS_OPEN) == 3 and value(reg, M.ADMISSION_OLDEST_OPEN_VERSION) == 0
 
     assert len(buf.sample(2, learner_version=1)) == 2  # group a, staleness 1
     b.update(with_admission(buf, adm))
@@ -296,6 +302,9 @@ def test_buffer_metrics_from_a_real_replay_buffer():
     b.update(with_admission(buf, adm))  # twice: no double counting
     assert value(reg, M.BUFFER_EVICTED, reason="stale") == 2
     assert value(reg, M.ADMISSION_EVICTED) == 2
+    assert value(reg, M.BUFFER_EPISODES_BY_LENGTH, stage="consumed", tokens="<32") == 4
+    assert value(reg, M.BUFFER_EPISODES_BY_LENGTH, stage="evicted", tokens="<32") == 2
+    assert value(reg, M.ADMISSION_GROUPS_OPEN) == 0
     assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_count") == 4
     assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_sum") == 2 * 1 + 2 * 2
     assert value(reg, M.BUFFER_CONSUMED_STALENESS + "_bucket", le="2.0") == 4

@@ -127,13 +127,48 @@ def test_rejected_members_release_a_short_group():
     buf.push([traj("a", 1)])
     s = buf.stats()
     assert (s.groups_released_short, s.rejected, s.ready_groups) == (1, 1, 1)
-    # a batch is exactly batch_size trajectories: the short group waits for a batch it fits in
-    assert buf.sample_wire(3, 0) is None
-    buf.push([traj("b", 0), traj("b", 1), traj("b", 2)])
-    assert ids(buf.sample_wire(3, 0)) == ["b/0", "b/1", "b/2"]
+    # a batch is batch_size / group_size whole groups: the short group fills one group's place, with 2 rows
+    assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1"]
     buf.reject(["c", "c"])
-    buf.push([traj("c", 0)])  # a short group of one completes a batch of 3 with "a"
-    assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1", "c/0"]
+    buf.push([traj("c", 0)])
+    buf.push([traj("b", 0), traj("b", 1), traj("b", 2)])
+    assert ids(buf.sample_wire(6, 0)) == ["c/0", "b/0", "b/1", "b/2"]
+
+
+def test_short_groups_never_block_a_batch():
+    """Regression: with batches of exactly batch_size rows, 15 full groups of 4 and two groups of 3 (66 rows)
+    could never make a batch of 64, and at eta 0 admission had no room left: the run waited forever."""
+    buf = make(group_size=4)
+    for g in range(17):
+        if g >= 15:
+            buf.reject([f"g{g}"])
+        buf.push([traj(f"g{g}", m) for m in range(4 if g < 15 else 3)])
+    got = buf.sample_wire(64, 0)
+    assert got is not None and len(got) == 15 * 4 + 3  # 16 groups, one of them short
+    assert len(buf.sample_wire(4, 0)) == 3  # the other short group is a batch of one group on its own
+
+
+def test_groups_are_served_oldest_version_first_then_by_arrival():
+    """Completion order would serve a group with one long member last; oldest-first serves it by its version."""
+    buf = make(group_size=1)
+    buf.push([traj("new", version=3)])
+    buf.push([traj("old-long", version=1, tokens=200)])
+    buf.push([traj("mid", version=2)])
+    buf.push([traj("old-short", version=1)])
+    assert ids(buf.sample_wire(4, 3)) == ["old-long/0", "old-short/0", "mid/0", "new/0"]
+
+
+def test_length_buckets_count_generated_consumed_and_evicted():
+    buf = make(group_size=1, max_staleness=0)
+    buf.push([traj("a", tokens=12), traj("b", tokens=102), traj("c", tokens=52, version=0)])
+    buf.push([traj("d", tokens=600, version=5)])
+    assert len(buf.sample_wire(1, 0)) == 1  # "a"
+    buf.sample_wire(1, 5)  # b and c (version 0) are stale at version 5 and go; d is consumed
+    s = buf.stats()
+    assert s.length_tokens["generated"] == {"<32": 1, "64-127": 1, "32-63": 1, "512-1023": 1}
+    assert s.length_tokens["consumed"] == {"<32": 1, "512-1023": 1}
+    assert s.length_tokens["evicted"] == {"64-127": 1, "32-63": 1}
+    assert s.length_turns["generated"] == {"0": 4}  # meta.num_turns is 0 in these records
 
 
 def test_partial_group_wait_keeps_waiting_and_counts_overdue(caplog):
@@ -157,15 +192,16 @@ def test_partial_group_release_after_timeout():
     clock.now += 9
     assert buf.sample_wire(3, 0) is None
     clock.now += 2
-    assert buf.sample_wire(3, 0) is None  # released, but two trajectories cannot make a batch of three
     assert buf.stats().groups_released_partial == 1 and buf.stats().ready_groups == 1
+    assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1"]  # released: a group's place in a batch, with 2 rows
 
 
 def test_partial_group_drop_after_timeout_is_an_eviction():
     clock = Clock()
     evicted = []
     buf = ReplayBuffer(
-        BufferConfig(partial_groups="drop", partial_group_timeout_s=10), 3, clock=clock, on_evict=evicted.append
+        BufferConfig(partial_groups="drop", partial_group_timeout_s=10), 3, clock=clock,
+        on_evict=lambda n, gid: evicted.append(n)
     )
     buf.push([traj("a", 0), traj("a", 1)])
     clock.now += 10
@@ -240,7 +276,7 @@ def filled(clock: Clock) -> ReplayBuffer:
     buf = make(group_size=2, clock=clock, max_staleness=3)
     buf.push([traj("a", 0, version=1), traj("a", 1, version=1), traj("b", 0), traj("c", 0), traj("c", 1)])
     buf.reject(["d"])
-    buf.sample_wire(2, 1)  # consumes a
+    buf.sample_wire(2, 1)  # consumes c (version 0: older than a)
     return buf
 
 
@@ -254,8 +290,9 @@ def test_snapshot_round_trip(tmp_path):
     # pending groups and rejections survive: "b" completes, "d" is short by one and completes with one member
     for b in (buf, back):
         b.push([traj("b", 1), traj("d", 0)])
-    assert ids(back.sample_wire(4, 1)) == ids(buf.sample_wire(4, 1)) == ["c/0", "c/1", "b/0", "b/1"]
-    assert back.stats().ready_groups == buf.stats().ready_groups == 1  # "d", short, waits for a batch
+    # two groups, oldest version first: b and d (version 0) before a (version 1); d is short
+    assert ids(back.sample_wire(4, 1)) == ids(buf.sample_wire(4, 1)) == ["b/0", "b/1", "d/0"]
+    assert back.stats().ready_groups == buf.stats().ready_groups == 1  # "a" waits for the next batch
 
 
 def test_snapshot_refuses_a_different_group_size(tmp_path):
@@ -290,7 +327,8 @@ def test_missing_snapshot_names_the_file(tmp_path):
 # ---------------------------------------------------------------------------------------------- random traffic
 def test_zero_variance_groups_are_dropped_counted_and_the_batch_stays_full():
     evicted: list[int] = []
-    buf = ReplayBuffer(BufferConfig(group_filter="zero_variance"), 2, clock=Clock(), on_evict=evicted.append)
+    buf = ReplayBuffer(BufferConfig(group_filter="zero_variance"), 2, clock=Clock(),
+                       on_evict=lambda n, gid: evicted.append(n))
     buf.push([traj("right", 0, reward=1.0, em=1.0), traj("right", 1, reward=1.0, em=1.0)])
     buf.push([traj("wrong", 0, reward=0.0, em=0.0), traj("wrong", 1, reward=0.0, em=0.0)])
     buf.push([traj("same", 0, reward=0.3), traj("same", 1, reward=0.3 + 1e-9)])  # within zero_variance_tol
@@ -320,9 +358,9 @@ def test_zero_variance_filter_applies_to_short_and_timed_out_groups():
     buf.reject(["short"])  # released short with equal rewards: filtered
     buf.push([traj("late", 0, reward=0.0), traj("late", 1, reward=1.0)])
     clock.now += 11
-    assert buf.sample_wire(3, 0) is None  # "late" was released partial (2 of 3): a 3-batch cannot take it
     s = buf.stats()
     assert s.evicted[EVICT_ZERO_VARIANCE] == 2 and s.groups_released_partial == 1 and s.ready_groups == 1
+    assert ids(buf.sample_wire(3, 0)) == ["late/0", "late/1"]  # released partial (2 of 3): one group's place
 
 
 def test_group_filter_needs_groups():
@@ -352,7 +390,7 @@ def test_random_traffic_keeps_groups_whole_memory_bounded_and_nothing_lost(group
         partial_group_timeout_s=10,
     )
     evictions: list[int] = []
-    buf = ReplayBuffer(cfg, group_size, clock=clock, on_evict=evictions.append)
+    buf = ReplayBuffer(cfg, group_size, clock=clock, on_evict=lambda n, gid: evictions.append(n))
     # group ids are reused for a new prompt once every member of the previous one was pushed or rejected
     generation = {g: 0 for g in range(8)}
     arrived = {g: 0 for g in range(8)}
@@ -380,9 +418,9 @@ def test_random_traffic_keeps_groups_whole_memory_bounded_and_nothing_lost(group
             if got is not None:
                 trajs = [Trajectory.decode(b) for b in got]
                 runs = [t.meta.group_id for t in trajs]
-                # exactly the batch size, in whole groups, members adjacent, no group twice
+                # the asked number of whole groups (short ones have fewer rows), members adjacent, no group twice
                 starts = [gid for i, gid in enumerate(runs) if i == 0 or runs[i - 1] != gid]
-                assert len(starts) == len(set(starts)) and len(trajs) == op[1] * group_size
+                assert len(starts) == len(set(starts)) == op[1] and len(trajs) <= op[1] * group_size
                 if policy == "wait":  # nothing is released early: every group has all its non-rejected members
                     assert all(runs.count(gid) == expected_size[gid] for gid in starts)
                 assert all(op[2] - t.min_version <= 1 for t in trajs)
