@@ -30,10 +30,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from torch import Tensor
 
 from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import Config
+from async_agent_rl.progress import Progress
 from async_agent_rl.records import Trajectory
 from learner.learner import lr_factor
 
@@ -96,6 +98,90 @@ def check_warm_start(folder: str | Path, expected: dict[str, Any]) -> bool:
 PRETRAIN_SEQ_LEN = 128
 
 
+THREADS_ENV = "AAR_SFT_THREADS"  # pins the warm start's torch thread count (else ThreadTuner picks it)
+
+
+class ThreadTuner:
+    """Picks torch's intra-op thread count for a training loop from the loop's own step times.
+
+    Why: on the shared 2-core machine, torch's default (one thread per core) made warm-start steps 4-6x slower than
+    one thread whenever another job was running (each OpenMP region waits for a descheduled thread; AdamW's step went
+    from 15 ms to 370 ms), while on an idle machine two threads can be faster. The right count depends on the load,
+    which changes during a run. So: step 0 is a warm-up (at the fewest threads); then a round of probes,
+    ``probe_steps`` steps at each candidate count (a candidate whose first probe step costs over ``drop`` times the
+    best so far is not probed further that round), and the cheapest (median seconds per token) is kept for
+    ``every`` steps, a period that doubles (up to ``max_every``) each round the choice stays the same.
+
+    The thread count does not change what is computed (the same ops on the same tensors; on the quickstart model
+    the weights after training at 1 and at 2 threads are bitwise equal), only how fast.
+    """
+
+    def __init__(self, candidates: Sequence[int], probe_steps: int = 2, every: int = 200, max_every: int = 1600,
+                 drop: float = 1.5):
+        self.candidates = sorted({max(1, int(c)) for c in candidates}) or [1]
+        self.probe_steps, self.every, self.max_every, self.drop = max(1, probe_steps), max(1, every), max_every, drop
+        self.chosen = self.candidates[0]  # until measured (the warm-up step)
+        self.choices: list[tuple[int, int]] = []  # (step, count) after each round of probes
+        self._costs: dict[int, list[float]] = {}
+        self._queue: list[int] = []  # the probe steps of this round still to run, as candidate counts
+        self._next_round = 1  # the step at which the next round of probes starts
+        self._period = self.every
+        self._current: int | None = None
+        self._probe: int | None = None
+
+    @classmethod
+    def for_machine(cls, **kw: Any) -> "ThreadTuner":
+        """Candidates 1, 2, 4, ... up to the cores this process may run on (and that number); ``AAR_SFT_THREADS``
+        pins one count."""
+        pinned = os.environ.get(THREADS_ENV, "").strip()
+        if pinned:
+            return cls([int(pinned)], **kw)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        counts, c = {cores}, 1
+        while c < cores:
+            counts.add(c)
+            c *= 2
+        return cls(sorted(counts), **kw)
+
+    def kept(self) -> list[int]:
+        """The counts kept after each round of probes (the one count when there was nothing to choose)."""
+        return [c for _, c in self.choices] or [self.chosen]
+
+    def before_step(self, step: int) -> None:
+        if len(self.candidates) > 1 and step == self._next_round:
+            self._queue = [c for c in self.candidates for _ in range(self.probe_steps)]
+            self._costs = {}
+        if self._probe is not None and not self._queue:
+            self._choose(step)
+        self._probe = self._queue.pop(0) if self._queue else None
+        want = self._probe if self._probe is not None else self.chosen
+        if want != self._current:
+            torch.set_num_threads(want)
+            self._current = want
+
+    def after_step(self, seconds: float, tokens: int) -> None:
+        c = self._probe
+        if c is None or tokens <= 0:
+            return
+        cost = seconds / tokens
+        self._costs.setdefault(c, []).append(cost)
+        best = min((min(v) for k, v in self._costs.items() if k != c), default=None)
+        if best is not None and cost > self.drop * best:
+            self._queue = [q for q in self._queue if q != c]  # clearly slower now: no more probes of it this round
+
+    def _choose(self, step: int) -> None:
+        medians = {c: sorted(v)[len(v) // 2] for c, v in self._costs.items() if v}
+        previous = self.choices[-1][1] if self.choices else None
+        if medians:
+            self.chosen = min(medians, key=medians.get)
+        self._period = min(self.max_every, self._period * 2) if self.chosen == previous else self.every
+        self.choices.append((step, self.chosen))
+        self._next_round = step + self._period
+        self._probe = None
+        log.info("threads: %d for the next %d steps (ms per 1k tokens: %s)", self.chosen, self._period,
+                 ", ".join(f"{c}: {1e6 * m:.1f}" for c, m in sorted(medians.items())))
+
+
 def masked_nll(
     model: Any, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, targets: Tensor | None = None
 ) -> tuple[Tensor, int]:
@@ -118,6 +204,14 @@ def masked_nll(
 def batch_nll(model: Any, batch: TrainBatch) -> tuple[Tensor, int]:
     """``masked_nll`` of a packed ``TrainBatch``."""
     return masked_nll(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+
+
+def right_padded_nll(model: Any, batch: TrainBatch) -> tuple[Tensor, int]:
+    """``batch_nll`` of a right-padded batch (``pack_batch``'s) without passing the attention mask: under causal
+    attention a real token only attends to positions before it, all real, and the position ids do not depend on the
+    mask, so every hidden state the loss reads is the same (bitwise, measured); without a mask SDPA runs its
+    causal kernel instead of materializing a (B, 1, L, L) mask (the warm start's training step)."""
+    return masked_nll(model, batch.input_ids, None, batch.loss_mask)
 
 
 @torch.no_grad()
@@ -152,6 +246,31 @@ def epoch_batches(lengths: Sequence[int], batch_size: int, epochs: int, seed: in
     return steps
 
 
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """``tokenizer.encode(t, add_special_tokens=False)`` of every text, in one batched call when the tokenizer is a
+    fast (Rust) one: the same ids, about twice as fast (the quickstart's pretraining stream: 17 s -> 10 s)."""
+    if getattr(tokenizer, "is_fast", False) and texts:
+        return list(tokenizer(list(texts), add_special_tokens=False)["input_ids"])
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def token_stream(tokenizer: Any, texts: Sequence[str]) -> Tensor:
+    """The concatenated token ids of ``texts`` (int64), what ``pretrain_on_texts`` draws its windows from."""
+    return torch.tensor([i for ids in encode_texts(tokenizer, texts) for i in ids], dtype=torch.long)
+
+
+def pretrain_windows(data: Tensor, steps: int, batch_size: int, seq_len: int, seed: int) -> Iterator[Tensor]:
+    """The ``(batch_size, seq_len)`` windows of every pretraining step: random starts from a generator seeded with
+    ``seed`` (one ``randint`` per step), so the batches are fixed by (stream, seed) alone."""
+    if len(data) <= seq_len + 1:
+        raise ValueError(f"pretraining needs more than {seq_len + 1} tokens, got {len(data)}")
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(seq_len)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=gen)
+        yield data[starts[:, None] + offsets]
+
+
 def pretrain_on_texts(
     model: Any,
     tokenizer: Any,
@@ -163,26 +282,26 @@ def pretrain_on_texts(
     seed: int,
     seq_len: int = 128,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    threads: ThreadTuner | None = None,
+    progress: Progress | None = None,
 ) -> list[float]:
     """Plain next-token LM on ``texts`` (every token a target): ``steps`` AdamW steps on ``batch_size`` random
-    ``seq_len``-token windows of the concatenated token stream (seeded); warmup then constant LR. Returns the
-    per-step losses. Used on ``demos.shuffled_world_observations`` (see ``run_sft`` for why)."""
-    stream: list[int] = []
-    for t in texts:
-        stream += tokenizer.encode(t, add_special_tokens=False)
-    if len(stream) <= seq_len + 1:
-        raise ValueError(f"pretraining needs more than {seq_len + 1} tokens, got {len(stream)}")
-    data = torch.tensor(stream)
-    gen = torch.Generator().manual_seed(seed)
+    ``seq_len``-token windows of the concatenated token stream (``pretrain_windows``, seeded); warmup then constant
+    LR. Returns the per-step losses. Used on ``demos.shuffled_world_observations`` (see ``run_sft`` for why).
+    ``threads`` picks torch's thread count step by step (``ThreadTuner``; None: leave it); ``progress`` is updated
+    after every step."""
+    data = token_stream(tokenizer, texts)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     head = model.get_output_embeddings()
     losses: list[float] = []
     model.train()
-    for step in range(steps):
+    for step, x in enumerate(pretrain_windows(data, steps, batch_size, seq_len, seed)):
+        t_step = time.perf_counter()
+        if threads:
+            threads.before_step(step)
         for g in opt.param_groups:
             g["lr"] = lr * lr_factor(step, warmup_steps=warmup_steps, total_steps=steps, schedule="constant")
-        starts = torch.randint(0, len(stream) - seq_len, (batch_size,), generator=gen).tolist()
-        x = torch.stack([data[i : i + seq_len] for i in starts])
         hidden = model.base_model(input_ids=x, use_cache=False).last_hidden_state[:, :-1]
         loss = F.cross_entropy(head(hidden).float().flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
@@ -190,6 +309,10 @@ def pretrain_on_texts(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
+        if threads:
+            threads.after_step(time.perf_counter() - t_step, x.numel())
+        if progress:
+            progress.update(step + 1, tokens=(step + 1) * x.numel(), loss=losses[-1])
         if on_step:
             on_step({"stage": "pretrain", "step": step + 1, "loss": losses[-1]})
     return losses
@@ -250,7 +373,7 @@ def _pretrain_texts(cfg: Config, steps: int, batch_size: int, seq_len: int, toke
         )
     questions = cfg.sft.pretrain_questions
     one = shuffled_world_observations(world_file, 1, cfg.sft.seed, questions=questions)
-    per_copy = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in one)
+    per_copy = sum(len(ids) for ids in encode_texts(tokenizer, one))
     copies = max(1, math.ceil(steps * batch_size * seq_len / per_copy))
     return shuffled_world_observations(world_file, copies, cfg.sft.seed, questions=questions)
 
@@ -263,11 +386,13 @@ def train_on_demos(
     warmup_steps: int,
     pad_id: int,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    **kw: Any,
 ) -> tuple[list[float], int, int]:
     """Masked SFT: one AdamW step per entry of ``plan`` (row indices into ``demos``), token-mean NLL over model
-    tokens, grad clip 1.0, warmup + cosine LR. Returns (per-step losses, non-padding tokens, loss tokens)."""
+    tokens, grad clip 1.0, warmup + cosine LR. Returns (per-step losses, non-padding tokens, loss tokens). ``kw``:
+    ``threads``, ``progress`` of ``train_on_batches``."""
     batches = ([demos[i] for i in rows] for rows in plan)
-    return train_on_batches(model, batches, lr, warmup_steps, pad_id, on_step, total_steps=len(plan))
+    return train_on_batches(model, batches, lr, warmup_steps, pad_id, on_step, total_steps=len(plan), **kw)
 
 
 def train_on_batches(
@@ -280,11 +405,15 @@ def train_on_batches(
     *,
     total_steps: int | None = None,
     time_budget_s: float | None = None,
+    threads: ThreadTuner | None = None,
+    progress: Progress | None = None,
 ) -> tuple[list[float], int, int]:
     """``train_on_demos``' loop over batches of demonstrations. The cosine decays over ``total_steps``; with
     ``time_budget_s`` instead, ``batches`` may be endless: training stops once the steps themselves (packing,
     forward, backward, update; not the time ``batches`` takes to yield) have taken that many seconds, and the
-    cosine's length is the number of steps the budget holds at the pace so far, so the LR still ends near 0."""
+    cosine's length is the number of steps the budget holds at the pace so far, so the LR still ends near 0.
+    ``threads`` picks torch's thread count step by step (``ThreadTuner``; None: leave it); ``progress`` is updated
+    after every step (non-padding tokens)."""
     if (total_steps is None) == (time_budget_s is None):
         raise ValueError("give exactly one of total_steps and time_budget_s")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -301,11 +430,13 @@ def train_on_batches(
             if trained_s >= time_budget_s:
                 break
             total = max(step + 1, int(step * time_budget_s / trained_s) if trained_s > 0 else 0)
+        if threads:
+            threads.before_step(step)
         step_lr = lr * lr_factor(step, warmup_steps=warmup_steps, total_steps=total, schedule="cosine")
         for g in opt.param_groups:
             g["lr"] = step_lr
         batch = pack_batch(list(trajs), pad_id)
-        loss, n = batch_nll(model, batch)
+        loss, n = right_padded_nll(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
@@ -313,7 +444,12 @@ def train_on_batches(
         losses.append(float(loss.detach()))
         tokens += int(batch.attention_mask.sum())
         loss_tokens += n
-        trained_s += time.perf_counter() - t_step
+        step_s = time.perf_counter() - t_step
+        trained_s += step_s
+        if threads:
+            threads.after_step(step_s, batch.input_ids.numel())
+        if progress:
+            progress.update(step + 1, tokens=tokens, loss=losses[-1])
         if on_step:
             m = {"stage": "sft", "step": step + 1, "loss": losses[-1], "lr": step_lr, "grad_norm": grad_norm,
                  "loss_tokens": n, "elapsed_s": time.perf_counter() - t0}
@@ -346,6 +482,8 @@ def run_sft(
     freeze_entity_embeddings: bool | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     log_every: int = 25,
+    progress: bool = True,
+    threads: ThreadTuner | None = None,
 ) -> dict[str, Any]:
     """Warm-start the model in ``model_dir`` and save it (and its tokenizer) into ``out_dir``.
 
@@ -366,7 +504,13 @@ def run_sft(
     Returns the summary (also in ``out_dir/sft_summary.json``): ``first_loss``, ``final_loss`` (SFT, mean of the
     last 10 steps), ``steps``, ``epochs``, ``pretrain_steps``, ``pretrain_final_loss``, ``frozen_rows``, ``demos``,
     ``single_hop_demos``, ``bridge_demos``, ``demo_failures``, ``loss_tokens``, ``tokens`` (non-padding SFT tokens),
-    ``tokens_per_s`` (SFT), ``seconds`` (both stages), ``pretrain_seconds``, ``demo_seconds``, ``out_dir``.
+    ``tokens_per_s`` (SFT), ``seconds`` (both stages), ``pretrain_seconds``, ``demo_seconds``, ``threads`` (the
+    thread counts kept, by stage), ``out_dir``.
+
+    With ``progress`` each stage prints progress lines on stdout (``async_agent_rl.progress``: every few seconds on
+    a terminal, every 10% otherwise) and a closing line, and the end ``summary_line``, one readable line. Torch's
+    thread count is picked per stage by ``threads`` (default ``ThreadTuner.for_machine()``, which
+    ``AAR_SFT_THREADS=N`` pins) and restored at the end.
     """
     from async_agent_rl.data.corpus import read_corpus
     from learner.demos import DemoReport
@@ -397,24 +541,40 @@ def run_sft(
 
         t_pre = time.perf_counter()
         pre_losses: list[float] = []
-        if pretrain_steps:
-            texts = _pretrain_texts(cfg, pretrain_steps, s.batch_size, PRETRAIN_SEQ_LEN, tokenizer)
-            log.info("pretraining: %d steps on %d shuffled-world observations", pretrain_steps, len(texts))
-            pre_losses = pretrain_on_texts(
-                model, tokenizer, texts, pretrain_steps, s.batch_size, s.lr, s.warmup_steps, s.seed,
-                PRETRAIN_SEQ_LEN, on_step=record,
-            )
-        pretrain_seconds = time.perf_counter() - t_pre
+        threads_before = torch.get_num_threads()
+        kept: dict[str, list[int]] = {}
+        try:
+            if pretrain_steps:
+                texts = _pretrain_texts(cfg, pretrain_steps, s.batch_size, PRETRAIN_SEQ_LEN, tokenizer)
+                log.info("pretraining: %d steps on %d shuffled-world observations", pretrain_steps, len(texts))
+                bar = Progress("[sft] pretraining", pretrain_steps) if progress else None
+                tuner = threads or ThreadTuner.for_machine()
+                pre_losses = pretrain_on_texts(
+                    model, tokenizer, texts, pretrain_steps, s.batch_size, s.lr, s.warmup_steps, s.seed,
+                    PRETRAIN_SEQ_LEN, on_step=record, threads=tuner, progress=bar,
+                )
+                kept["pretrain"] = tuner.kept()
+                if bar:
+                    bar.close(_mean_last(pre_losses), f"threads {_counts_text(kept['pretrain'])}")
+            pretrain_seconds = time.perf_counter() - t_pre
 
-        frozen = entity_token_ids(tokenizer, titles) if freeze_entity_embeddings else []
-        if frozen:
-            freeze_embedding_rows(model, frozen)
-        plan = epoch_batches([d.total_length for d in demos], s.batch_size, s.epochs, s.seed)
-        log.info("sft: %d demonstrations, %d steps of %d, lr %g, %d frozen embedding rows",
-                 len(demos), len(plan), s.batch_size, s.lr, len(frozen))
-        t_sft = time.perf_counter()
-        losses, tokens, loss_tokens = train_on_demos(model, demos, plan, s.lr, s.warmup_steps, pad_id, record)
-        sft_seconds = time.perf_counter() - t_sft
+            frozen = entity_token_ids(tokenizer, titles) if freeze_entity_embeddings else []
+            if frozen:
+                freeze_embedding_rows(model, frozen)
+            plan = epoch_batches([d.total_length for d in demos], s.batch_size, s.epochs, s.seed)
+            log.info("sft: %d demonstrations, %d steps of %d, lr %g, %d frozen embedding rows",
+                     len(demos), len(plan), s.batch_size, s.lr, len(frozen))
+            bar = Progress("[sft] demonstrations", len(plan)) if progress else None
+            tuner = threads or ThreadTuner.for_machine()
+            t_sft = time.perf_counter()
+            losses, tokens, loss_tokens = train_on_demos(model, demos, plan, s.lr, s.warmup_steps, pad_id, record,
+                                                         threads=tuner, progress=bar)
+            sft_seconds = time.perf_counter() - t_sft
+            kept["sft"] = tuner.kept()
+            if bar:
+                bar.close(_mean_last(losses), f"threads {_counts_text(kept['sft'])}")
+        finally:
+            torch.set_num_threads(threads_before)
 
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -438,10 +598,35 @@ def run_sft(
         "seconds": pretrain_seconds + sft_seconds,
         "pretrain_seconds": pretrain_seconds,
         "demo_seconds": demo_seconds,
+        "threads": kept,
         "out_dir": str(out),
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    if progress:
+        print(summary_line(summary), flush=True)
     return summary
+
+
+def _mean_last(xs: Sequence[float], k: int = 10) -> float:
+    return sum(xs[-k:]) / len(xs[-k:]) if xs else float("nan")
+
+
+def _counts_text(counts: Sequence[int]) -> str:
+    return str(counts[0]) if len(set(counts)) == 1 else ", ".join(map(str, counts))
+
+
+def summary_line(s: dict[str, Any]) -> str:
+    """One readable line for a ``run_sft`` summary (the full JSON is in ``sft_summary.json``)."""
+    from async_agent_rl.progress import duration
+
+    parts = []
+    if s.get("pretrain_steps"):
+        parts.append(f"pretraining {s['pretrain_steps']} steps in {duration(s['pretrain_seconds'])}, "
+                     f"loss {s['pretrain_final_loss']:.3f}")
+    parts.append(f"demonstrations {s['steps']} steps in {duration(s['seconds'] - s['pretrain_seconds'])}, "
+                 f"{s['tokens_per_s']:,.0f} tokens/s, loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}")
+    return (f"[sft] done in {duration(s['seconds'])} (+{duration(s['demo_seconds'])} making {s['demos']} "
+            f"demonstrations): " + "; ".join(parts) + f" -> {s['out_dir']}")
 
 
 CONTINUE_SUMMARY_FILE = "continue_sft_summary.json"

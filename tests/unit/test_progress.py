@@ -1,0 +1,108 @@
+"""The progress helper (async_agent_rl.progress): time-based lines on a terminal, sparse ones in a log, a readable
+closing line; and the warm start's thread tuner (learner.sft.ThreadTuner) on made-up step times."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from async_agent_rl.progress import Progress, duration
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_duration() -> None:
+    assert [duration(x) for x in (0, 42.4, 187, 3720)] == ["0s", "42s", "3m07s", "1h02m"]
+
+
+def test_terminal_prints_every_interval_with_rate_and_eta() -> None:
+    out, clock = io.StringIO(), Clock()
+    p = Progress("[sft] pretraining", 100, stream=out, interactive=True, interval_s=5, clock=clock)
+    printed = []
+    for step in range(1, 100):
+        clock.t += 1.0  # one step per second
+        printed.append(p.update(step, tokens=step * 2048, loss=5.0 - step / 100))
+    lines = [x for x in printed if x]
+    assert len(lines) == 19  # at 5, 10, ..., 95 seconds; the last step is left to the closing line
+    assert lines[0].startswith("[sft] pretraining 5/100 (5%)")
+    assert "1.00 steps/s" in lines[0] and "2,048 tokens/s" in lines[0] and "loss 4.950" in lines[0]
+    assert "ETA 1m35s" in lines[0]
+    assert out.getvalue().splitlines() == lines
+
+
+def test_log_gets_one_line_per_tenth() -> None:
+    out, clock = io.StringIO(), Clock()
+    p = Progress("[sft] demonstrations", 30, stream=out, interactive=False, clock=clock)
+    for step in range(1, 31):
+        clock.t += 100.0  # slow steps: no time-based lines in a log anyway
+        p.update(step, loss=1.0)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == [f"{3 * k}/30" for k in range(1, 10)]
+
+
+def test_closing_line_is_text_with_steps_time_rate_and_loss() -> None:
+    out, clock = io.StringIO(), Clock()
+    p = Progress("[sft] pretraining", 10, stream=out, interactive=False, clock=clock)
+    for step in range(1, 11):
+        clock.t += 12.5
+        p.update(step, tokens=step * 1000, loss=2.0)
+    text = p.close(final_loss=1.9876, extra="threads 1")
+    assert text == "[sft] pretraining done: 10 steps in 2m05s, 80 tokens/s, final loss 1.988; threads 1"
+    assert out.getvalue().splitlines()[-1] == text
+    assert "{" not in text
+
+
+def test_not_a_terminal_by_default_for_a_string_buffer() -> None:
+    assert Progress("x", 5, stream=io.StringIO()).interactive is False
+
+
+def test_thread_tuner_keeps_the_cheaper_count_and_reprobes_later(monkeypatch) -> None:
+    import torch
+
+    from learner.sft import ThreadTuner
+
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    tuner = ThreadTuner([1, 2], probe_steps=2, every=10)
+    cost = {1: 1.0, 2: 3.0}  # two threads are slower (a loaded machine)
+    used = []
+    for step in range(40):
+        tuner.before_step(step)
+        used.append(set_to[-1])
+        tuner.after_step(cost[set_to[-1]], 1)
+    assert used[0] == 1  # warm-up at the fewest threads
+    assert used[1:4] == [1, 1, 2]  # probes; 2 is dropped after one step 3x slower
+    assert tuner.kept()[0] == 1 and all(c == 1 for c in used[4:13])
+    assert used.count(2) >= 2  # probed again in a later round
+    assert set(tuner.kept()) == {1}
+
+
+def test_thread_tuner_follows_the_load_and_can_be_pinned(monkeypatch) -> None:
+    import torch
+
+    from learner.sft import THREADS_ENV, ThreadTuner
+
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    tuner = ThreadTuner([1, 2], probe_steps=2, every=5)
+    for step in range(60):
+        tuner.before_step(step)
+        loaded = step < 20
+        tuner.after_step({1: 1.0, 2: 3.0 if loaded else 0.6}[set_to[-1]], 1)
+    assert tuner.kept()[0] == 1 and tuner.kept()[-1] == 2
+    monkeypatch.setenv(THREADS_ENV, "3")
+    pinned = ThreadTuner.for_machine()
+    assert pinned.candidates == [3]
+    for step in range(5):
+        pinned.before_step(step)
+        pinned.after_step(1.0, 1)
+    assert set_to[-1] == 3 and pinned.kept() == [3]
