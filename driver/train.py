@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 from actors.rollout_actor import create_rollout_actors
 from actors.stack import retriever_url
 from async_agent_rl.config import Config, load_config
-from async_agent_rl.errors import InputError
+from async_agent_rl.errors import InputError, error_line
 from async_agent_rl.stats import (
     BufferStats, DriverStats, LearnerStats, LearningStats, PublishStats, RolloutStats, RunTotals,
 )
@@ -58,7 +58,7 @@ from learner.checkpoint import (
     newest_intact,
 )
 from learner.sft import check_warm_start, run_sft, warm_start_inputs
-from learner.weight_sync import create_publisher
+from learner.weight_sync import WeightsRefused, create_publisher
 from monitoring.exporter import RunMonitoring
 from retriever.server import exposure_warning
 
@@ -70,6 +70,16 @@ class RunFailed(InputError):
     ends with one ``error:`` line naming it and the cause (exit status 2, as the CLI maps ``InputError``)."""
 
 
+def _cause(e: BaseException) -> str:
+    """An exception in one line: the component and the cause (unwrapped from Ray), else its type and first line."""
+    line = error_line(e)
+    if line is not None:
+        return line.removeprefix("error: ")
+    first = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {first[0] if first else ''}".rstrip(": ")
+
+
+PUBLISH_FAILURES_FATAL = 3  # weight publishes failing in a row that end the run
 SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout actors this often
 SEARCH_ERROR_WARN_RATE = 0.5  # warn when more than this share of a step's searches failed (at least 4 of them)
 SEARCH_WARN_EVERY_S = 60.0
@@ -306,6 +316,7 @@ class Trainer:
         self.history: list[dict] = []
         self.weights_ref = None  # the last published weights (a restarted actor gets them)
         self.restarts: dict[str, int] = {}
+        self.publish_failures = 0  # weight publishes failed in a row
         self._ray_restarts: dict[int, int] = {}  # restarts of the actors this process made (a resume's start from 0)
         self.lost_episodes = 0
         self.totals = RunTotals()  # the run's rollout totals (run_totals), restarted actors and a resume included
@@ -449,10 +460,7 @@ class Trainer:
             # the object-store path keeps the weights it published (a restarted actor gets them); the collective
             # path sends them from the learner and takes them again for a restarted actor only
             self.weights_ref = self.learner.state_dict_ref() if cfg.weight_sync.method == "object_store" else None
-            try:
-                publish = self.publisher.publish(self.version, self.weights_ref)
-            except ray.exceptions.RayError as e:  # a dead or restarted actor: supervise() below restarts it
-                self.log.say(f"[fault] weight publish failed on a rollout actor: {type(e).__name__}")
+            publish = self.publish()
         rollout = self.supervise()
         buffer = ray.get(self.buffer.stats.remote())
         if self.mon is not None:
@@ -486,6 +494,29 @@ class Trainer:
             f"stale {metrics.staleness_mean:.1f}/{metrics.staleness_max:.0f}  "
             f"{record['episodes_per_s']:.0f} ep/s  wait {record['sample_wait_s']:.1f}s  eta {_duration(eta)}"
         )
+
+    def publish(self) -> PublishStats | None:
+        """Publish the learner's weights as ``self.version`` (both paths); None when the publish failed.
+
+        A failure (an engine's WeightsError, no room in /dev/shm for the fp32 copy, a refusal of the specs, a
+        non-finite tensor, a dead actor) is printed with its cause; a dead or restarted actor is then restarted by
+        ``supervise()`` with the newest weights. The engines that missed it stay on older weights while the learner's
+        version climbs, so ``PUBLISH_FAILURES_FATAL`` failures in a row end the run with ``RunFailed`` naming the
+        cause instead of training on ever staler episodes (the buffer's staleness bound would stall it)."""
+        try:
+            stats = self.publisher.publish(self.version, self.weights_ref)
+        except (ray.exceptions.RayError, WeightsRefused, OSError) as e:
+            self.publish_failures += 1
+            cause = _cause(e)
+            msg = f"weight publish of version {self.version} failed ({self.publish_failures} in a row): {cause}"
+            log.warning(msg)
+            self.log.say(f"[fault] {msg}")
+            if self.publish_failures >= PUBLISH_FAILURES_FATAL:
+                raise RunFailed(f"weight publish failed {self.publish_failures} times in a row (the engines keep older "
+                                f"weights while the learner moves on); the last: {cause}") from None
+            return None
+        self.publish_failures = 0
+        return stats
 
     def supervise(self) -> list[RolloutStats]:
         """Every rollout actor's stats (folded into the run's totals); an actor that died (or stopped answering) is
@@ -549,10 +580,7 @@ class Trainer:
         self.publisher.member_restarted()  # the collective path makes its group again before the next publish
         if republish:
             self.version, self.published_step = self.learner.bump_version(), self.step
-            try:
-                self.publisher.publish(self.version)  # every actor, the restarted one included
-            except ray.exceptions.RayError as e:  # the next supervise() sees to a member that failed it
-                self.log.say(f"[fault] weight publish after the restart failed: {type(e).__name__}")
+            self.publish()  # every actor, the restarted one included
         ray.get(actor.start.remote())
         self.log.say(f"[fault] rollout actor {i} restarted at version {self.version}; {lost} in-flight episodes lost")
         if self.mon is not None:
@@ -586,6 +614,10 @@ class Trainer:
             "buffer_size": buffer.size,
             "buffer_evicted": buffer.evicted,
             "buffer_filtered_groups": buffer.filtered_groups,
+            "buffer_staleness_histogram": {str(k): v for k, v in buffer.staleness_histogram.items()},
+            "buffer_length_tokens": buffer.length_tokens,
+            "buffer_length_turns": buffer.length_turns,
+            "admission_groups_open": buffer.admission.groups_open,
             "learner": metrics.as_dict(),
             "publish": publish.as_metrics() if publish is not None else {},
         }
