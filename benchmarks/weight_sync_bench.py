@@ -100,7 +100,7 @@ def build_models(root: Path, sizes: list[str]) -> dict[str, Path]:
 def config(model_dir: Path) -> Config:
     return build_config({
         "model": {"path": str(model_dir), "max_model_len": 256}, "data": {"max_prompt_length": 128},
-        "rollout": {"group_size": 1}, "learner": {"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1},
+        "rollout": {"group_size": 1, "max_response_length": 128, "max_obs_length": 64}, "learner": {"batch_size": 1, "mini_batch_size": 1, "micro_batch_size": 1},
         "weight_sync": {"method": "collective"}, "cluster": {"learner_cpus": 0.5},
     })
 

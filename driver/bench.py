@@ -84,8 +84,15 @@ STUDIES: dict[str, list[Arm]] = {
 DEFAULT_STUDIES = ("masking", "estimator", "topk", "group_size")
 
 
-def staleness_arms(etas: Sequence[int]) -> list[Arm]:
-    return [Arm("staleness", f"eta{e}", f"eta={e}", (f"buffer.max_staleness={e}",)) for e in etas]
+def staleness_arms(etas: Sequence[int], ppo: bool = False) -> list[Arm]:
+    """One arm per eta with the decoupled loss; with ``ppo``, one more at the largest eta with the standard PPO loss
+    (the behaviour policy taken as the proximal one: no correction for staleness)."""
+    arms = [Arm("staleness", f"eta{e}", f"eta={e}", (f"buffer.max_staleness={e}",)) for e in etas]
+    if ppo:
+        e = max(etas)
+        arms.append(Arm("staleness", f"eta{e}-ppo", f"eta={e}, standard PPO",
+                        (f"buffer.max_staleness={e}", "algorithm.policy_loss=ppo")))
+    return arms
 
 
 def sync_arms(eta: int) -> list[Arm]:
@@ -336,6 +343,7 @@ def plot_staleness(runs: Sequence[ArmRun], path: Path) -> Path | None:
     done = [r for r in runs if r.result]
     if not done:
         return None
+    done = [r for r in done if r.arm.name.removeprefix("eta").isdigit()]
     etas = [int(r.arm.name.removeprefix("eta")) for r in done]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(etas, [r.result["samples_per_s"] for r in done], "o-", label="trained samples/s")
@@ -678,7 +686,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not etas or min(etas) < 0:
             print(f"error: --etas needs at least one value >= 0, got {args.etas!r}", file=sys.stderr)
             return 2
-        arms = staleness_arms(etas)
+        arms = staleness_arms(etas, ppo=args.seeds is not None)
     elif kind == "ablations":
         names = [x.strip() for x in args.studies.split(",") if x.strip()]
         unknown = [n for n in names if n not in STUDIES]
@@ -692,6 +700,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         arms = sync_arms(args.eta)
     base = load_config(args.config, args.overrides)  # a bad config fails here, before any run
     command = _command(args)
+    if args.seeds is not None:
+        return _cmd_bench_seeds(args, kind, arms, base, out, command)
     runs = run_arms(args.config, list(args.overrides), arms, out, args.steps, args.eval_every, args.force,
                     warm_starts=Path(args.warm_starts) if args.warm_starts else None)
     extra = ""
@@ -705,6 +715,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
                  "are within run-to-run noise at this scale.")
     report = write_report(kind, runs, out, command, extra)
     return _finish(report, runs)
+
+
+def _cmd_bench_seeds(args: argparse.Namespace, kind: str, arms: list[Arm], base: Config, out: Path,
+                     command: str) -> int:
+    """``--seeds``: every arm per seed and a report over seeds (``driver.bench_seeds``). The staleness sweep gives
+    every arm room for ``(max eta + 1)`` batches in flight (``rollout.max_concurrent_episodes``), so that the
+    admission rule, not the episode slots, is what bounds how far generation runs ahead: each eta can be reached."""
+    from driver import bench_seeds
+
+    try:
+        seeds = bench_seeds.parse_seeds(args.seeds)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    overrides = list(args.overrides)
+    if kind == "staleness":
+        per_version = base.learner.batch_size * base.weight_sync.every_steps
+        slots = -(-(max(int(a.overrides[0].split("=")[1]) for a in arms) + 1) * per_version
+                  // base.rollout.num_actors)
+        overrides.append(f"rollout.max_concurrent_episodes={max(slots, base.rollout.max_concurrent_episodes)}")
+    reference = {"sync": lambda a: True, "staleness": lambda a: "ppo" not in a.name,
+                 "ablations": lambda a: True}[kind]
+    runs = bench_seeds.run_seeds(args.config, overrides, arms, out, seeds, args.steps, args.eval_every, args.force,
+                                 Path(args.warm_starts) if args.warm_starts else None)
+    report = bench_seeds.write_seeds_report(kind, arms, runs, out, command, reference)
+    return _finish(report, [r for rs in runs.values() for r in rs])
 
 
 def _finish(report: Path, runs: Sequence[ArmRun]) -> int:
@@ -790,6 +826,10 @@ def register(subparsers: Any) -> None:
         p.add_argument("--eval-every", type=int, help="held-out evaluation every k steps (default steps/4)")
         p.add_argument("--force", action="store_true", help="rerun arms whose finished run folder is present")
         p.add_argument("--warm-starts", help="folder of the shared SFT warm starts (default OUT/../warm_start)")
+        if kind != "learning":
+            p.add_argument("--seeds", help="comma-separated seeds: every arm on each seed's own world, tiny model and "
+                           "warm start, reported as mean and standard error (default: the config's world, once); "
+                           "with it, bench staleness adds a standard-PPO arm at the largest eta")
         if kind == "staleness":
             p.add_argument("--etas", default="0,1,2,4,8", help="comma-separated max_staleness values")
         elif kind == "ablations":

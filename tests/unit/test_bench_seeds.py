@@ -1,0 +1,74 @@
+"""bench --seeds: time to accuracy per seed, means and standard errors, the staleness recommendation and the
+async/sync ratio, from run folders laid out as a finished training writes them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from driver.bench import Arm, ArmRun, staleness_arms
+from driver.bench_seeds import (parse_seeds, per_seed_rows, staleness_recommendation, summarize, sync_comparison,
+                                write_seeds_report)
+
+pytestmark = pytest.mark.unit
+
+
+def finished(tmp: Path, arm: Arm, seed: int, curve: list[tuple[float, float]], sps: float, hist=None) -> ArmRun:
+    """An ArmRun whose result has an eval curve of (train seconds, EM) and whose metrics.jsonl has what
+    extra_numbers reads."""
+    run_dir = tmp / f"seed{seed}" / arm.name
+    run_dir.mkdir(parents=True)
+    last = {"learner": {"iw_mean": 1.0, "iw_max": 1.5, "iw_capped_frac": 0.01},
+            "buffer_staleness_histogram": {str(k): v for k, v in (hist or {0: 64}).items()},
+            "buffer_evicted": {"stale": 0},
+            "buffer_length_tokens": {"generated": {"<32": 90, "256-511": 10}, "consumed": {"<32": 45, "256-511": 5}}}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(last) + "\n")
+    result = {"em_start": curve[0][1], "em_end": curve[-1][1], "em_best": max(e for _, e in curve),
+              "samples_per_s": sps, "train_s": curve[-1][0], "staleness_mean": 0.5,
+              "eval_curve": [{"train_s": t, "exact_match": e, "step": i} for i, (t, e) in enumerate(curve)]}
+    return ArmRun(arm, run_dir, [], result=result)
+
+
+def test_sync_ratio_is_time_to_90_percent_of_the_lower_final_em_per_seed(tmp_path):
+    a, s = Arm("sync", "async", "async", ()), Arm("sync", "sync", "sync", ())
+    runs = {
+        # seed 0: finals 0.6 / 0.5 -> target 0.45: async at 100 s, sync at 300 s -> 3.0
+        0: [finished(tmp_path, a, 0, [(0, 0.0), (100, 0.5), (200, 0.6)], 2.0),
+            finished(tmp_path, s, 0, [(0, 0.0), (150, 0.3), (300, 0.5)], 1.0)],
+        # seed 1: finals 0.4 / 0.4 -> target 0.36: async at 50 s, sync at 100 s -> 2.0
+        1: [finished(tmp_path, a, 1, [(0, 0.0), (50, 0.4), (90, 0.4)], 2.0),
+            finished(tmp_path, s, 1, [(0, 0.0), (100, 0.4)], 1.0)],
+    }
+    rows = per_seed_rows(runs, lambda arm: True)
+    assert [r["target_em"] for r in rows["async"]] == pytest.approx([0.45, 0.36])
+    text, d = sync_comparison(rows)
+    assert d["time_to_acc_ratio"]["mean"] == pytest.approx(2.5) and d["time_to_acc_ratio"]["se"] == pytest.approx(0.5)
+    assert d["samples_per_s_ratio"]["mean"] == pytest.approx(2.0)
+    assert "2.50 ± 0.50x" in text
+
+
+def test_staleness_recommendation_is_the_soonest_of_the_accurate_arms(tmp_path):
+    arms = staleness_arms([0, 2, 8], ppo=True)
+    curves = {"eta0": [(0, 0), (300, 0.5), (600, 0.6)], "eta2": [(0, 0), (150, 0.5), (300, 0.58)],
+              "eta8": [(0, 0), (100, 0.3), (200, 0.4)], "eta8-ppo": [(0, 0), (200, 0.1)]}
+    runs = {0: [finished(tmp_path, arm, 0, curves[arm.name], 1.0 + i, hist={0: 10, 2: 5})
+                for i, arm in enumerate(arms)]}
+    rows = per_seed_rows(runs, lambda arm: "ppo" not in arm.name)
+    assert rows["eta0"][0]["target_em"] == pytest.approx(0.36)  # 0.9 x eta8's 0.4; the PPO arm is no reference
+    assert rows["eta8-ppo"][0]["time_to_acc_s"] is None
+    summary = summarize(rows)
+    assert summary["eta2"]["staleness_histogram"] == {0: 10, 2: 5} and summary["eta8-ppo"]["reached"] == "0/1"
+    text = staleness_recommendation(arms, summary)
+    assert "Recommendation: eta=2" in text  # eta 8 is faster but 0.2 below the best final EM
+    report = write_seeds_report("staleness", arms, runs, tmp_path, "cmd", lambda arm: "ppo" not in arm.name)
+    md = report.read_text()
+    assert "Recommendation: eta=2" in md and "eta=8, standard PPO" in md and "| 0/1 |" in md
+
+
+def test_seeds_must_be_distinct_and_non_negative():
+    assert parse_seeds("0,1,2") == [0, 1, 2]
+    for bad in ("", "1,1", "-1"):
+        with pytest.raises(ValueError):
+            parse_seeds(bad)
