@@ -16,6 +16,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def local_ray(request):
+    """A local Ray cluster of 2 CPUs (no dashboard) for one test module: ``pytest.mark.usefixtures("local_ray")``
+    in its ``pytestmark``. The module and tests/helpers.py go to the workers by value (they import no test module)."""
+    import ray
+
+    from tests import helpers
+
+    for module in (request.module, helpers):
+        ray.cloudpickle.register_pickle_by_value(module)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def world_dir(tmp_path_factory) -> Path:
     from async_agent_rl.config import WorldConfig

@@ -4,9 +4,55 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 DENSE_DEPS = all(importlib.util.find_spec(m) for m in ("faiss", "sentence_transformers"))  # the [dense] extra
+
+
+def traj(gid: str, member: int = 0, version: int = 0, tokens: int = 4, priority: float | None = None,
+         reward: float = 0.0, em: float | None = None) -> bytes:
+    """A replay-buffer trajectory as wire bytes: a 2-token prompt plus ``tokens - 2`` generated tokens, all of
+    ``version``, member ``member`` of group ``gid`` (trajectory id ``gid/member``)."""
+    from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
+
+    n = tokens - 2
+    extra = {} if priority is None else {"priority": priority}
+    return Trajectory(
+        prompt_ids=[1, 2],
+        response_ids=[5] * n,
+        loss_mask=[1] * n,
+        behavior_logprobs=[-0.1] * n,
+        versions=[version] * n,
+        turns=[TurnSpan("model", 0, n)],
+        reward=reward,
+        reward_components={} if em is None else {"exact_match": em},
+        meta=EpisodeMeta(group_id=gid, trajectory_id=f"{gid}/{member}", extra=extra),
+    ).encode()
+
+
+def ids(blobs) -> list[str]:
+    """The trajectory ids of wire-encoded trajectories."""
+    from async_agent_rl.records import Trajectory
+
+    return [Trajectory.decode(b).meta.trajectory_id for b in blobs]
+
+
+def post(url: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, bytes]:
+    """What Search-R1's client does: ``requests.post(url, json=payload)`` (here with the standard library)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def title_query(p) -> str:
+    """A query for a passage (``async_agent_rl.data.corpus.Passage``): its title without the quotes."""
+    return p.title.strip('"')
 
 
 def end_processes(procs: list, grace_s: float) -> None:
@@ -60,3 +106,51 @@ def offline_minilm_dir() -> Path | None:
         return None
     model = Path(list(spec.submodule_search_locations)[0]) / "model"
     return model if (model / "modules.json").is_file() else None
+
+
+# vLLM's CPU build in a Ray actor: a small KV cache, no thread pinning, the engine core in the actor's own process.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class EngineHost:
+    """The smallest rollout actor: a vLLM engine in a Ray actor with the methods both weight publishers call (as
+    ``RolloutActor`` has them). Start it as ``ray.remote(num_cpus=0)(EngineHost).options(runtime_env={"env_vars":
+    VLLM_ENV})`` inside the ``local_ray`` fixture (which sends this module to the workers by value)."""
+
+    async def start(self, model_dir: str, cfg) -> int:
+        """Load the engine; its weight version (0)."""
+        from actors.engine import VLLMEngine
+
+        self.engine = await VLLMEngine.create(model_dir, cfg)
+        return self.engine.version
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    async def update_weights(self, version: int, weights):
+        return await self.engine.update_weights(version, weights, mode="pause")
+
+    async def join_weight_group(self, *args):
+        return await self.engine.join_weight_group(*args)
+
+    def check_weight_specs(self, specs) -> str | None:
+        try:
+            self.engine.check_weight_specs(specs)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    async def update_weights_collective(self, version: int, specs):
+        return await self.engine.update_weights_collective(version, specs, mode="pause")
+
+    async def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float], list[int], int]:
+        """``n`` greedy tokens after ``prompt``: their ids, log-probs and version stamps, and the engine's version."""
+        from actors.engine import TurnRequest
+
+        out = await self.engine.generate(TurnRequest(prompt, max_tokens=n, temperature=0.0, stop=()))
+        return out.token_ids, out.logprobs, out.versions, self.engine.version
+
+    async def close(self) -> None:
+        await self.engine.close()

@@ -23,8 +23,7 @@ from async_agent_rl.data.corpus import import_wiki_offline, read_corpus, write_c
 from retriever import cli
 from retriever.backends import DenseBackend, IndexMismatchError
 from retriever.server import spawn_server
-from tests.helpers import DENSE_DEPS, offline_minilm_dir
-from tests.integration.test_retriever_server import post, title_query
+from tests.helpers import DENSE_DEPS, offline_minilm_dir, post, title_query
 
 pytestmark = [
     pytest.mark.integration,

@@ -16,14 +16,7 @@ from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from learner.actor import create_learner_group
 from learner.learner import Learner
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 
 def episode(i: int) -> Trajectory:

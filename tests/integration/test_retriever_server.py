@@ -20,7 +20,7 @@ from async_agent_rl.render import render_information
 from retriever import cli
 from retriever.backends import BM25Backend, DenseBackend, Hit, IndexMismatchError
 from retriever.server import spawn_server, start_server_in_thread
-from tests.helpers import DENSE_DEPS, offline_minilm_dir
+from tests.helpers import DENSE_DEPS, offline_minilm_dir, post, title_query
 
 pytestmark = pytest.mark.integration
 
@@ -46,21 +46,6 @@ def backend(passages):
 def server(backend):
     with start_server_in_thread(backend, RetrieverConfig(batch_window_ms=2.0)) as srv:
         yield srv
-
-
-def post(url: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, bytes]:
-    """What Search-R1's client does: ``requests.post(url, json=payload)`` (here with the standard library)."""
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def title_query(p: Passage) -> str:
-    return p.title.strip('"')
 
 
 # ------------------------------------------------------------------------------------------------------ protocol

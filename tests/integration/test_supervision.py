@@ -6,7 +6,6 @@ restarted actor never gets weights stamped with a version they are not (``weight
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +19,9 @@ from buffer.actor import create_buffer_actor
 from async_agent_rl.errors import error_line
 from driver.train import RunFailed, Trainer
 from learner.weight_sync import create_publisher
-from tests.unit.test_replay_buffer import traj
+from tests.helpers import traj
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 
 @dataclass
@@ -56,14 +55,6 @@ class SlowFirstIncarnation:
             time.sleep(60)
         return StandInStats(index=self.index, incarnation=str(os.getpid()), ready=self.setups > 0, pid=os.getpid(),
                             setups=self.setups, began=self.started)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_a_slow_actor_is_killed_before_it_is_set_up_again(tmp_path):

@@ -5,57 +5,23 @@ new version stamped on its tokens. The publish latency is recorded."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from actors.engine import TurnRequest, VLLMEngine
 from async_agent_rl.batch import pack_batch
-from async_agent_rl.config import Config, build_config
+from async_agent_rl.config import build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from learner.learner import Learner
 from learner.weight_sync import ObjectStorePublisher
+from tests.helpers import VLLM_ENV, EngineHost
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 PROMPT = [101, 102, 103, 104]
 TARGET = [501, 502, 503, 504, 505, 506]
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-class EngineHost:
-    """The smallest rollout actor: a vLLM engine with the ``update_weights`` method publishers call."""
-
-    async def start(self, model_dir: str, cfg: Config) -> int:
-        self.engine = await VLLMEngine.create(model_dir, cfg)
-        return self.engine.version
-
-    async def update_weights(self, version: int, weights):
-        return await self.engine.update_weights(version, weights, mode="pause")
-
-    async def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
-        out = await self.engine.generate(TurnRequest(prompt, max_tokens=n, temperature=0.0, stop=()))
-        return out.token_ids, out.versions
-
-    async def greedy_logprobs(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-        out = await self.engine.generate(TurnRequest(prompt, max_tokens=n, temperature=0.0, stop=()))
-        return out.token_ids, out.logprobs
-
-    async def close(self) -> None:
-        await self.engine.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_dir):
@@ -68,7 +34,7 @@ def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_di
     })
     host = ray.remote(num_cpus=0)(EngineHost).options(runtime_env={"env_vars": VLLM_ENV}).remote()
     assert ray.get(host.start.remote(str(tiny_model_dir), cfg), timeout=300) == 0
-    before, _ = ray.get(host.greedy.remote(PROMPT, len(TARGET)))
+    before = ray.get(host.greedy.remote(PROMPT, len(TARGET)))[0]
     assert before != TARGET
 
     # one rewarded episode (a group of one keeps its raw score): its response becomes the greedy one
@@ -83,14 +49,14 @@ def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_di
     publisher = ObjectStorePublisher([host])
     state = learner.state_dict_for_publish()
     stats = publisher.publish(learner.bump_version(), state)
-    after, versions = ray.get(host.greedy.remote(PROMPT, n))
+    after, _, versions, _ = ray.get(host.greedy.remote(PROMPT, n))
     assert after == TARGET
     assert versions == [1] * n
     # the engine computes with exactly the published weights: its log-probs are the learner's own (transformers,
     # same weights). The tiny model ties its output head to the embedding; the learner publishes the embedding once.
     # Before the fix the CPU engine's tied head kept the first weights it loaded: greedy output moved (the other
     # layers did), the log-probs were off.
-    ids, logprobs = ray.get(host.greedy_logprobs.remote(PROMPT, n))
+    ids, logprobs, _, _ = ray.get(host.greedy.remote(PROMPT, n))
     assert "lm_head.weight" not in state and ids == TARGET
     assert np.max(np.abs(np.array(logprobs) - reference_logprobs(tiny_model_dir, state, PROMPT, TARGET))) < 2e-3
 
@@ -101,7 +67,7 @@ def test_published_weights_reach_vllm_and_change_its_greedy_output(tiny_model_di
 
     # a reference from the object store is forwarded as it is (the path a learner actor's state takes)
     stats = publisher.publish(learner.bump_version(), ray.put(state))
-    assert stats.bytes == -1 and ray.get(host.greedy.remote(PROMPT, n))[1] == [2] * n
+    assert stats.bytes == -1 and ray.get(host.greedy.remote(PROMPT, n))[2] == [2] * n
     ray.get(host.close.remote())
 
 

@@ -8,63 +8,25 @@ the engine keeps its weights and version. The group listens on loopback only."""
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import psutil
 import pytest
 import ray
 
-from actors.engine import TurnRequest, VLLMEngine
 from async_agent_rl.batch import pack_batch
 from async_agent_rl.config import Config, TinyModelConfig, build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.tiny_model import init_tiny_model
 from learner.actor import create_learner_group
 from learner.weight_sync import CollectivePublisher, ObjectStorePublisher, WeightsRefused
+from tests.helpers import VLLM_ENV, EngineHost
 
-pytestmark = pytest.mark.integration
+# slow: a learner actor and two vLLM engines; 160 s measured on 2 loaded cores (the fast tier's longest test by far)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 PROMPT = [101, 102, 103, 104]
 TARGET = [501, 502, 503, 504, 505, 506]
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-class EngineHost:
-    """A vLLM engine in a Ray actor with the methods both publishers call (as ``RolloutActor`` has them)."""
-
-    async def start(self, model_dir: str, cfg: Config) -> int:
-        self.engine = await VLLMEngine.create(model_dir, cfg)
-        return os.getpid()
-
-    async def update_weights(self, version: int, weights):
-        return await self.engine.update_weights(version, weights, mode="pause")
-
-    async def join_weight_group(self, *args):
-        return await self.engine.join_weight_group(*args)
-
-    def check_weight_specs(self, specs):
-        try:
-            self.engine.check_weight_specs(specs)
-        except ValueError as e:
-            return str(e)
-        return None
-
-    async def update_weights_collective(self, version: int, specs):
-        return await self.engine.update_weights_collective(version, specs, mode="pause")
-
-    async def greedy(self, prompt: list[int], n: int):
-        out = await self.engine.generate(TurnRequest(prompt, max_tokens=n, temperature=0.0, stop=()))
-        return out.token_ids, out.logprobs, out.versions, self.engine.version
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def learner_cfg(model_dir) -> Config:
@@ -90,7 +52,8 @@ def test_collective_publish_equals_object_store_publish(tiny_model_dir, tmp_path
     cfg = learner_cfg(tiny_model_dir)
     host_cls = ray.remote(num_cpus=0)(EngineHost).options(runtime_env={"env_vars": VLLM_ENV})
     by_store, by_broadcast = host_cls.remote(), host_cls.remote()
-    engine_pids = ray.get([h.start.remote(str(tiny_model_dir), cfg) for h in (by_store, by_broadcast)], timeout=300)
+    ray.get([h.start.remote(str(tiny_model_dir), cfg) for h in (by_store, by_broadcast)], timeout=300)
+    engine_pids = ray.get([h.pid.remote() for h in (by_store, by_broadcast)])
     before = ray.get(by_broadcast.greedy.remote(PROMPT, len(TARGET)))
     assert before[0] != TARGET
 

@@ -9,16 +9,9 @@ import ray
 
 from learner.weight_sync import CollectivePublisher, WeightsRefused, create_publisher
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]  # Ray: not a unit test
 
 SPECS = [("embed", "float32", (4, 2))]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 class Call:
