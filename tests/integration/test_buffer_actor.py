@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 import time
 
 import pytest
@@ -17,19 +16,11 @@ from async_agent_rl.stats import AdmissionStats, BufferStats
 from buffer.actor import create_buffer_actor, push_all, push_all_async
 from buffer.replay_buffer import EVICT_STALE, SnapshotError
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 GROUP = 4
 BATCH = 8  # two groups per learner step
 ETA = 1
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def config(**buffer):

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from async_agent_rl.config import BufferConfig
 from async_agent_rl.records import RecordError, EpisodeMeta, Trajectory, TurnSpan
+from tests.helpers import ids, traj
 from buffer.replay_buffer import (
     EVICT_PARTIAL_TIMEOUT,
     EVICT_STALE,
@@ -28,28 +29,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def traj(gid: str, member: int = 0, version: int = 0, tokens: int = 4, priority: float | None = None,
-         reward: float = 0.0, em: float | None = None) -> bytes:
-    """A 2-token prompt plus ``tokens - 2`` generated tokens, all of ``version``, as wire bytes."""
-    n = tokens - 2
-    extra = {} if priority is None else {"priority": priority}
-    return Trajectory(
-        prompt_ids=[1, 2],
-        response_ids=[5] * n,
-        loss_mask=[1] * n,
-        behavior_logprobs=[-0.1] * n,
-        versions=[version] * n,
-        turns=[TurnSpan("model", 0, n)],
-        reward=reward,
-        reward_components={} if em is None else {"exact_match": em},
-        meta=EpisodeMeta(group_id=gid, trajectory_id=f"{gid}/{member}", extra=extra),
-    ).encode()
-
-
-def ids(blobs) -> list[str]:
-    return [Trajectory.decode(b).meta.trajectory_id for b in blobs]
 
 
 def make(group_size=2, clock=None, **cfg) -> ReplayBuffer:

@@ -15,7 +15,7 @@ from actors.rollout_actor import RolloutActor
 from actors.rollout_worker import RolloutFailure, RolloutWorker
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.records import Trajectory
-from tests.unit.test_replay_buffer import traj
+from tests.helpers import traj
 
 pytestmark = pytest.mark.unit
 
