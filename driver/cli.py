@@ -106,6 +106,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         trainer = Trainer(_config(args))
     summary = trainer.run()
+    if summary.get("stopped_by"):  # SIGINT or SIGTERM: a checkpoint and one closing line, the shell's exit status
+        return 128 + abs(summary["stopped_by"])
     return 0 if summary.get("steps", 0) >= trainer.cfg.learner.total_steps else 1
 
 

@@ -24,10 +24,12 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import urlsplit
 
 import ray  # also sets up the "ray" logger and its console handler, which _logs_to_file redirects
@@ -80,10 +82,104 @@ def _cause(e: BaseException) -> str:
 
 
 PUBLISH_FAILURES_FATAL = 3  # weight publishes failing in a row that end the run
+PROGRESS_FLOOR_S = 600.0  # cluster.progress_timeout_s unset: max(this, PROGRESS_STEPS x the slowest step so far)
+PROGRESS_STEPS = 10
+REPORT_TIMEOUT_S = 10.0  # a component that does not answer a stall report's question within this is "not answering"
 SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout actors this often
 SEARCH_ERROR_WARN_RATE = 0.5  # warn when more than this share of a step's searches failed (at least 4 of them)
 SEARCH_WARN_EVERY_S = 60.0
 DRIVER_STATE = "driver_state.json"
+
+
+class ProgressWatchdog:
+    """When did a learner step last complete, and is that too long ago? (``cluster.progress_timeout_s``)
+
+    The clock runs while the driver waits for a step (a batch from the buffer, then the learner's computation), from
+    the moment it asks for one; evaluations, publishes and checkpoints between steps are not counted. The limit is
+    the configured one, or with none configured ``max(PROGRESS_FLOOR_S, PROGRESS_STEPS x the slowest step so far)``;
+    0 turns the watchdog off."""
+
+    def __init__(self, setting: float | None, clock: Callable[[], float] = time.monotonic):
+        self.setting, self.clock = setting, clock
+        self.slowest = 0.0  # seconds, the slowest completed step (waiting included)
+        self.since = clock()
+
+    def limit(self) -> float | None:
+        if self.setting == 0:
+            return None
+        if self.setting is not None:
+            return float(self.setting)
+        return max(PROGRESS_FLOOR_S, PROGRESS_STEPS * self.slowest)
+
+    def waiting(self) -> None:
+        """The driver starts waiting for the next step."""
+        self.since = self.clock()
+
+    def step_done(self) -> float:
+        """A step completed; returns how long it took since ``waiting()``."""
+        took = self.clock() - self.since
+        self.slowest = max(self.slowest, took)
+        self.since = self.clock()
+        return took
+
+    def waited(self) -> float:
+        return self.clock() - self.since
+
+    def expired(self) -> bool:
+        limit = self.limit()
+        return limit is not None and self.waited() > limit
+
+
+def stall_message(*, step: int, waited: float, limit: float, configured: bool, learner: str,
+                  buffer: BufferStats | str, actors: Sequence[RolloutStats | str], last_push_s: Sequence[float | None],
+                  last_publish: tuple[int, float] | None, checkpoint: str) -> str:
+    """The one line a stalled run ends with: how long nothing happened, which component is blocked, and the state
+    of every component (``learner``: what the learner does; ``buffer``/``actors``: their stats, or why there are
+    none; ``last_push_s``: seconds since each actor's pushed count last rose, None: never; ``last_publish``:
+    (version, seconds ago))."""
+    running = [a.running for a in actors if isinstance(a, RolloutStats)]
+    silent = [i for i, a in enumerate(actors) if isinstance(a, str)]
+    if learner.startswith("computing"):
+        blocked = f"the learner ({learner})"
+    elif isinstance(buffer, str):
+        blocked = f"the replay buffer ({buffer})"
+    elif silent:
+        blocked = f"rollout actor{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} (not answering)"
+    elif sum(running) == 0:
+        blocked = (f"admission (no episode running: {buffer.admission.groups_open} groups open, the oldest "
+                   f"admitted at version {buffer.admission.oldest_open_version}, learner version {buffer.learner_version})")
+    else:
+        blocked = f"the rollout actors ({sum(running)} episodes running, no batch completed)"
+    parts = [f"no learner step completed for {waited:.0f} s (step {step + 1}; limit {limit:.0f} s, "
+             f"cluster.progress_timeout_s{'' if configured else ' unset: max(600, 10 x the slowest step)'})",
+             f"blocked: {blocked}", f"learner: {learner}"]
+    if isinstance(buffer, str):
+        parts.append(f"buffer: {buffer}")
+    else:
+        a = buffer.admission
+        parts.append(f"buffer: {buffer.size} rows, {buffer.ready_groups} ready groups, {buffer.pending_groups} "
+                     f"pending groups; admission: {a.running} running, {a.groups_open} groups open, oldest open "
+                     f"version {a.oldest_open_version}")
+    for i, (stats, ago) in enumerate(zip(actors, last_push_s)):
+        if isinstance(stats, str):
+            parts.append(f"actor{i}: {stats}")
+            continue
+        pushed = "never pushed" if ago is None else f"last push {ago:.0f} s ago"
+        state = "done (error)" if stats.done else ("running" if stats.ready else "not set up")
+        parts.append(f"actor{i}: {state}, {stats.running} episodes running, {stats.pushed} pushed, {pushed}, "
+                     f"{stats.failed} failed")
+    parts.append("last publish: none" if last_publish is None else
+                 f"last publish: version {last_publish[0]}, {last_publish[1]:.0f} s ago")
+    parts.append(checkpoint)
+    return "; ".join(parts)
+
+
+class Stopped(InputError):
+    """A second SIGINT or SIGTERM: the run stops at once, without a checkpoint."""
+
+
+class _StopRequested(Exception):
+    """SIGINT or SIGTERM received: the run stops at the next safe point (``Trainer._check_stop``)."""
 
 
 def run_totals(stats: RolloutStats) -> dict[str, float]:
@@ -165,9 +261,40 @@ def _ray_init(cfg: Config) -> None:
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
+        _loopback_only()
         # the actors' output (vLLM, DeepSpeed, Ray) stays in the session's log folder, linked from the run folder
         ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
-                 log_to_driver=False, logging_level=logging.WARNING)
+                 log_to_driver=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
+        _require_token_auth()
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def _loopback_only() -> None:
+    """Make the local cluster Ray is about to start bind loopback only: its GCS, raylet, workers and agents listen
+    on the node's address, and Ray 2.60 rewrites a loopback ``_node_ip_address`` to the host's routable one unless
+    "clusters" are off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's switch for single-machine Windows and macOS,
+    read by ``ray._private.services.get_node_ip_address``). Ray reads that variable once at import: the driver's
+    copy of the constant is set too, and the variable goes to every process the cluster starts."""
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def _require_token_auth() -> None:
+    """The mode the started cluster really runs in (Ray's own report, not the environment): anything but token
+    authentication is refused, the cluster shut down."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token authentication
+        ray.shutdown()
+        raise InputError(f"Ray {ray.__version__} has no token authentication; the project needs Ray >= 2.52") from None
+    if not is_token_auth_enabled():
+        ray.shutdown()
+        raise InputError("the local Ray cluster started without token authentication (Ray reports another mode); "
+                         "check RAY_AUTH_MODE and ~/.ray/auth_token")
 
 
 LOG_FILE = "train.log"
@@ -324,34 +451,92 @@ class Trainer:
         self.learning = LearningSignals()
         self.first_step: int | None = None  # the step the RL loop started from (a resumed run: its checkpoint's)
         self._search_warned_at = -SEARCH_WARN_EVERY_S
+        self.watchdog = ProgressWatchdog(cfg.cluster.progress_timeout_s)
+        self._pushes: dict[int, tuple[str, int, float]] = {}  # actor -> (incarnation, pushed, when it last rose)
+        self._last_publish: tuple[int, float] | None = None  # (version, monotonic time)
+        self.stop_signal: int | None = None  # SIGINT or SIGTERM received: stop at the next safe point
 
     # --------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
         cfg = self.cfg
         cfg.save(self.run_dir / "config.yaml")
+        closing = None
         with ExitStack() as stack:
+            self._catch_stop_signals(stack)
             stack.enter_context(_logs_to_file(self.run_dir / LOG_FILE))
             self.log.say(f"[run] {self.run_dir}: {cfg.learner.total_steps} RL steps; engine, Ray and library logs "
                          f"go to {self.run_dir / LOG_FILE}")
-            self.prepare_inputs()
-            self.start_components(stack)
-            start = self.evaluate("start") if cfg.eval.at_start and self.resume_from is None else None
-            self.start_rollouts()
-            t0 = time.monotonic()
-            self.first_step = self.step
-            while self.step < cfg.learner.total_steps:
-                self.train_step(t0)
-                if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.learner.total_steps:
-                    self.evaluate(f"step {self.step}")
-            rollout = self.stop_rollouts()
-            end = self.evaluate("end") if cfg.eval.at_end else None
-            final = self.save(self.run_dir / "final")
-            summary = self.summary(start, end, rollout, time.monotonic() - t0, final)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            plots = self.plots()
+            try:
+                self.prepare_inputs()
+                self._check_stop()
+                self.start_components(stack)
+                self._catch_stop_signals(stack)  # ray.init put its own SIGTERM handler (sys.exit) in place of ours
+                self._check_stop()
+                start = self.evaluate("start") if cfg.eval.at_start and self.resume_from is None else None
+                self._check_stop()
+                self.start_rollouts()
+                t0 = time.monotonic()
+                self.first_step = self.step
+                while self.step < cfg.learner.total_steps:
+                    self.train_step(t0)
+                    self._check_stop()
+                    if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.learner.total_steps:
+                        self.evaluate(f"step {self.step}")
+                        self._check_stop()
+            except _StopRequested:
+                closing = self._stop_now()
+            if closing is None:
+                rollout = self.stop_rollouts()
+                end = self.evaluate("end") if cfg.eval.at_end else None
+                final = self.save(self.run_dir / "final")
+                summary = self.summary(start, end, rollout, time.monotonic() - t0, final)
+                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+                plots = self.plots()
+        if closing is not None:  # stopped by a signal: one line, after Ray is down
+            self.log.say(closing)
+            return {"run_dir": str(self.run_dir), "steps": self.step, "stopped_by": self.stop_signal}
         for line in closing_lines(summary, start, end, plots, self.run_dir):
             self.log.say(line)
         return summary
+
+    # ------------------------------------------------------------------------------------------------ signals
+    def _catch_stop_signals(self, stack: ExitStack) -> None:
+        """SIGINT and SIGTERM stop the run at the next safe point (between steps, or while the learner waits for a
+        batch) with a checkpoint and one closing line; a second one stops it at once. Without this, Ray's driver
+        handler (``sys.exit`` from inside Ray's C++ code) ended a SIGTERM in SIGABRT and a C++ stack dump."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.stop_signal is None:
+                self.stop_signal = signum
+                self.log.say(f"[stop] {signal.Signals(signum).name}: stopping after the current step with a checkpoint "
+                             "(send it again to stop at once)")
+            else:
+                self.stop_signal = -abs(self.stop_signal)
+                raise Stopped(f"stopped at once by a second {signal.Signals(signum).name} at step {self.step}, "
+                              "no checkpoint written")
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old = signal.signal(sig, handler)
+            stack.callback(signal.signal, sig, old)
+
+    def _check_stop(self) -> None:
+        if self.stop_signal is not None:
+            raise _StopRequested()
+
+    def _stop_now(self) -> str:
+        """A checkpoint of the current step (the learner is idle at every point ``_check_stop`` is called) and the
+        closing line of a stopped run. Episodes in flight are not waited for: Ray's shutdown ends them."""
+        name = signal.Signals(abs(self.stop_signal or signal.SIGTERM)).name
+        saved = None
+        if self.step > 0 and getattr(self, "learner", None) is not None:
+            last = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+            saved = str(last) if last.is_dir() else self.checkpoint()
+        if saved is None:
+            return f"[stopped] {name} at step {self.step} of {self.cfg.learner.total_steps}: no step yet, nothing to checkpoint"
+        return (f"[stopped] {name} at step {self.step} of {self.cfg.learner.total_steps}: checkpoint {saved}; continue "
+                f"with `async-agent-rl train --resume {self.run_dir}`")
 
     # ------------------------------------------------------------------------------------------------ steps
     def prepare_inputs(self) -> None:
@@ -361,8 +546,7 @@ class Trainer:
             sft_dir = Path(self.cfg.sft.output_dir) if self.cfg.sft.output_dir else self.run_dir / "sft"
             if not check_warm_start(sft_dir, warm_start_inputs(self.cfg, self.cfg.model.path)):
                 self.log.say(f"[sft] warm start on {self.cfg.sft.num_demos} demonstrations -> {sft_dir}")
-                res = run_sft(self.cfg, self.cfg.model.path, sft_dir)
-                self.log.say(f"[sft] done: {json.dumps({k: v for k, v in res.items() if not isinstance(v, (list, dict))})}")
+                run_sft(self.cfg, self.cfg.model.path, sft_dir)  # prints progress and a readable closing line
             else:
                 self.log.say(f"[sft] warm start present: {sft_dir}")
             self.policy_path = str(sft_dir)
@@ -439,19 +623,24 @@ class Trainer:
         wait0 = time.monotonic()
         next_report = wait0 + 60.0
         metrics = None
+        self.watchdog.waiting()
         while metrics is None:
             # the batch goes from the buffer to the learner by reference; None: no batch within the timeout
             batch = self.buffer.sample_batch.remote(self.version, SUPERVISE_WHILE_WAITING_S)
-            metrics = self.learner.train_step(batch)
+            metrics = self._learner_step(batch)
             if metrics is None:
                 # an actor that died while the buffer is short would otherwise never be restarted: no batch comes
                 self.supervise()
+                self._check_stop()  # the learner is idle here: a stop can checkpoint
+                if self.watchdog.expired():
+                    raise self._stalled("waiting for a batch (idle)", healthy=True)
                 if time.monotonic() > next_report:  # once a minute: why is there no batch?
                     next_report += 60.0
                     b = ray.get(self.buffer.stats.remote())
                     self.log.say(f"[wait] no batch for {time.monotonic() - wait0:.0f} s: buffer size {b.size}, ready "
                                  f"groups {b.ready_groups}, pending {b.pending_groups}, evicted {b.evicted}, "
                                  f"admission {dataclasses.asdict(b.admission)}")
+        self.watchdog.step_done()
         wait_s = max(0.0, time.monotonic() - wait0 - metrics.step_time_s)  # until the batch was at the learner
         self.step = metrics.step
         publish = None
@@ -479,6 +668,77 @@ class Trainer:
         self.log.say(self._step_line(record, metrics, t0))
         if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
             self.checkpoint()  # after the step's metrics line: a resume keeps exactly the lines up to here
+
+    def _learner_step(self, batch: "ray.ObjectRef") -> LearnerStats | None:
+        """``self.learner.train_step(batch)``, watched: it runs in a thread of its own while this one checks every
+        few seconds that the step has not been going on for longer than the watchdog allows (a buffer that never
+        answers ``sample_batch``, a learner whose step never ends)."""
+        box: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                box["stats"] = self.learner.train_step(batch)
+            except BaseException as e:  # noqa: BLE001 - handed to the driver's thread below
+                box["error"] = e
+
+        started = time.monotonic()
+        thread = threading.Thread(target=call, name="learner-step", daemon=True)  # daemon: a hung one never blocks exit
+        thread.start()
+        while True:
+            thread.join(timeout=1.0)
+            if not thread.is_alive():
+                break
+            if self.watchdog.expired():
+                took = time.monotonic() - started
+                if ray.wait([batch], timeout=0, fetch_local=False)[0]:
+                    state = f"computing step {self.step + 1} for up to {took:.0f} s (its batch has arrived)"
+                elif took > SUPERVISE_WHILE_WAITING_S + REPORT_TIMEOUT_S:
+                    state = f"waiting {took:.0f} s for the buffer's answer to sample_batch (asked with a " \
+                            f"{SUPERVISE_WHILE_WAITING_S:.0f} s timeout)"
+                else:  # the buffer answers within its timeout: the idle learner is reported (and saved) below
+                    continue
+                raise self._stalled(state, healthy=False)
+        if "error" in box:
+            raise box["error"]
+        return box.get("stats")
+
+    def _stalled(self, learner_state: str, healthy: bool) -> RunFailed:
+        """What ends a run in which no step completed within the watchdog's limit: the state of every component in
+        one line and, when the learner and the buffer can still save one, a checkpoint."""
+        timeout = REPORT_TIMEOUT_S
+        buffer: BufferStats | str
+        try:
+            buffer = ray.get(self.buffer.stats.remote(), timeout=timeout)
+        except GetTimeoutError:
+            buffer = f"not answering (stats() took more than {timeout:.0f} s)"
+        except ray.exceptions.RayError as e:
+            buffer = f"failed: {_cause(e)}"
+        actors: list[RolloutStats | str] = []
+        for i, actor in enumerate(self.actors):
+            try:
+                stats = ray.get(actor.stats.remote(), timeout=timeout)
+                self._note_pushes(i, stats)
+                actors.append(stats)
+            except GetTimeoutError:
+                actors.append(f"not answering (stats() took more than {timeout:.0f} s)")
+            except ray.exceptions.RayError as e:
+                actors.append(f"failed: {_cause(e)}")
+        now = time.monotonic()
+        pushes = [now - p[2] if (p := self._pushes.get(i)) and p[2] is not None else None
+                  for i in range(len(self.actors))]
+        publish = None if self._last_publish is None else (self._last_publish[0], now - self._last_publish[1])
+        if healthy and not isinstance(buffer, str):
+            try:
+                checkpoint = f"checkpoint {self.checkpoint()}" if self.step > 0 else "no checkpoint (no step yet)"
+            except Exception as e:  # noqa: BLE001 - the stall is what the line reports; the save is a bonus
+                checkpoint = f"checkpoint failed: {_cause(e)}"
+        else:
+            checkpoint = "no checkpoint (the learner or the buffer is busy)"
+        limit = self.watchdog.limit() or 0.0
+        return RunFailed(stall_message(
+            step=self.step, waited=self.watchdog.waited(), limit=limit,
+            configured=self.cfg.cluster.progress_timeout_s is not None, learner=learner_state, buffer=buffer,
+            actors=actors, last_push_s=pushes, last_publish=publish, checkpoint=checkpoint))
 
     def _step_line(self, record: dict, metrics: LearnerStats, t0: float) -> str:
         total = self.cfg.learner.total_steps
@@ -516,6 +776,7 @@ class Trainer:
                                 f"weights while the learner moves on); the last: {cause}") from None
             return None
         self.publish_failures = 0
+        self._last_publish = (self.version, time.monotonic())
         return stats
 
     def supervise(self) -> list[RolloutStats]:
@@ -551,8 +812,15 @@ class Trainer:
                 self._restart_actor(i)
                 stats = ray.get(actor.stats.remote())
             self.totals.report(f"actor{stats.index}", stats.incarnation, run_totals(stats))
+            self._note_pushes(i, stats)
             out.append(stats)
         return out
+
+    def _note_pushes(self, i: int, stats: RolloutStats) -> None:
+        prev = self._pushes.get(i)
+        if prev is None or prev[0] != stats.incarnation or stats.pushed > prev[1]:
+            when = time.monotonic() if stats.pushed > 0 else (prev[2] if prev else None)
+            self._pushes[i] = (stats.incarnation, stats.pushed, when)
 
     def _restart_actor(self, i: int) -> None:
         actor, actor_id = self.actors[i], f"actor{i}"

@@ -47,8 +47,15 @@ def test_ray_init_accepts_token_in_any_case(monkeypatch, mode):
 
     monkeypatch.setenv("RAY_AUTH_MODE", mode)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    from ray._private import ray_constants
+
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr("driver.train._require_token_auth", lambda: None)  # nothing started: no mode to ask Ray
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)  # restored after the test
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     _ray_init(load_config(None))
     assert len(calls) == 1
+    # a local cluster on loopback only (tests/integration/test_ray_loopback.py checks the sockets)
+    assert calls[0]["_node_ip_address"] == "127.0.0.1" and ray_constants.ENABLE_RAY_CLUSTER is False

@@ -1,0 +1,209 @@
+"""Issue 22, "nothing stalls in silence", on a real short training (real Ray, vLLM CPU engine, buffer actor,
+DeepSpeed learner) run the way a user does, through the command line in a subprocess of its own:
+
+- a run whose learner never gets another batch after step 1 (the driver's sampler, patched in the driver process to
+  answer "no batch" as a buffer that never fills one does) ends within the watchdog's limit
+  (``cluster.progress_timeout_s``) with one ``error:`` line naming the blocked component and every component's
+  state, a checkpoint of step 1, and exit status 2; before, it waited for ever with a ``[wait]`` line a minute;
+- SIGTERM in the middle of a run stops it with a checkpoint and one closing ``[stopped]`` line, exit status 143,
+  no traceback; before, Ray's handler ended it in SIGABRT with a C++ stack dump. Before the signal, every listening
+  socket of the run's processes (Ray, engines, learner, retriever) is on loopback.
+
+About 4 minutes on 2 cores."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from async_agent_rl.config import load_config
+from tests.helpers import world_overrides
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = [
+    "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=8",
+    "rollout.group_size=4", "rollout.max_concurrent_episodes=16", "eval.num_questions=8", "eval.at_start=false",
+    "eval.at_end=false", "monitoring.enabled=false", "sft.enabled=false", "buffer.group_filter=none",
+    "learner.checkpoint_every=0",
+]  # fmt: skip
+
+# the command line, with the driver's sampler answering "no batch" (after a buffer-like wait) from step 2 on
+STALLING_CLI = textwrap.dedent('''
+    import sys, time
+    import ray
+    import driver.train as train
+    from driver.cli import main
+
+    @ray.remote(num_cpus=0)
+    def no_batch(timeout_s):
+        time.sleep(timeout_s)
+        return None
+
+    class NoBatch:
+        def remote(self, version, timeout_s):
+            return no_batch.remote(timeout_s)
+
+    class StalledBuffer:
+        """The run's buffer actor, but sample_batch never finds a batch."""
+        sample_batch = NoBatch()
+
+        def __init__(self, real):
+            self._real = real
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+    real_train_step = train.Trainer.train_step
+
+    def train_step(self, t0):
+        if self.step >= 1 and not isinstance(self.buffer, StalledBuffer):
+            self.buffer = StalledBuffer(self.buffer)
+            print("[test] the sampler stalls from now on", flush=True)
+        return real_train_step(self, t0)
+
+    train.Trainer.train_step = train_step
+    sys.exit(main(sys.argv[1:]))
+''')
+
+
+def plain_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+
+
+class Run:
+    """A training subprocess in a session of its own; its output collected line by line as it comes."""
+
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)  # fmt: skip
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.seen: dict[str, float] = {}
+        self._readers = [threading.Thread(target=self._read, args=(s, d), daemon=True)
+                         for s, d in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, stream, dest: list[str]) -> None:
+        for line in stream:
+            dest.append(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, timeout_s: float) -> float:
+        """The time the first stdout line starting with ``prefix`` appeared."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(x.startswith(prefix) for x in self.out):
+                return time.monotonic()
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.kill()
+        pytest.fail(f"no line {prefix!r} within {timeout_s} s:\n" + self.text())
+
+    def finish(self, timeout_s: float) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running {timeout_s} s later:\n" + self.text())
+        for t in self._readers:
+            t.join(timeout=30)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def text(self) -> str:
+        return "\n".join(self.out[-60:]) + "\n--- stderr\n" + "\n".join(self.err[-60:])
+
+
+def config_file(tmp_path: Path, world_dir: Path, model_dir: Path, *extra: str) -> Path:
+    cfg = load_config(REPO / "configs/quickstart.yaml", [
+        *SMALL, f"run.output_dir={tmp_path}", "run.name=run", *world_overrides(world_dir, model_dir), *extra])
+    return cfg.save(tmp_path / "cfg.yaml")
+
+
+def test_a_run_whose_learner_gets_no_batch_ends_in_one_error_line_with_a_checkpoint(tmp_path, world_dir, tiny_model_dir):
+    limit = 30
+    cfg = config_file(tmp_path, world_dir, tiny_model_dir, "learner.total_steps=20",
+                      f"cluster.progress_timeout_s={limit}")
+    run = Run([sys.executable, "-c", STALLING_CLI, "train", "--config", str(cfg)])
+    try:
+        stalled = run.wait_for("[test] the sampler stalls", timeout_s=480)
+        rc = run.finish(timeout_s=limit + 120)
+    finally:
+        run.kill()
+    ended = time.monotonic() - stalled
+    assert rc == 2, run.text()
+    errors = [x for x in run.err if x.startswith("error:")]
+    assert len(errors) == 1, run.text()
+    line = errors[0]
+    assert line.startswith(f"error: no learner step completed for ") and f"(step 2; limit {limit} s, " \
+        "cluster.progress_timeout_s)" in line, line
+    for part in ("blocked: ", "learner: waiting for a batch (idle)", "buffer: ", " ready groups, ", "admission: ",
+                 " groups open, oldest open version ", "actor0: running, ", " pushed, last push ",
+                 "last publish: version 1, ", "checkpoint "):
+        assert part in line, (part, line)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert f"checkpoint {ckpt}" in line and (ckpt / "MANIFEST.json").is_file(), line
+    assert "Traceback" not in "\n".join(run.err), run.text()
+    assert ended < limit + 60, f"ended {ended:.0f} s after the stall began (limit {limit} s)"
+
+
+def test_sigterm_mid_run_stops_with_a_checkpoint_and_one_closing_line(tmp_path, world_dir, tiny_model_dir):
+    cfg = config_file(tmp_path, world_dir, tiny_model_dir, "learner.total_steps=50")
+    run = Run([str(Path(sys.executable).parent / "async-agent-rl"), "train", "--config", str(cfg)])
+    try:
+        run.wait_for("step  1/50", timeout_s=480)
+        listening = listening_sockets(run.proc.pid)  # the whole run: Ray, engines, learner, retriever
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.finish(timeout_s=180)
+    finally:
+        run.kill()
+    assert rc == 128 + signal.SIGTERM, run.text()
+    stopped = [x for x in run.out if x.startswith("[stopped] ")]
+    assert len(stopped) == 1 and stopped[0] is run.out[-1], run.text()
+    assert stopped[0].startswith("[stopped] SIGTERM at step ") and "--resume" in stopped[0], stopped
+    step = int(stopped[0].split("at step ")[1].split()[0])
+    assert step >= 1
+    assert (tmp_path / "run" / "checkpoints" / f"step_{step:06d}" / "MANIFEST.json").is_file(), run.text()
+    err = "\n".join(run.err)
+    assert "Traceback" not in err and "SIGABRT" not in err and "error:" not in err, run.text()
+    assert not (tmp_path / "run" / "summary.json").exists()
+    names = {name for _, _, name in listening}
+    assert {"gcs_server", "raylet"} <= names, listening
+    public = [s for s in listening if not (s[0].startswith(("127.", "::ffff:127.")) or s[0] == "::1")]
+    assert not public, f"a training listens beyond loopback: {public}"
+
+
+def listening_sockets(root: int) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every listening TCP socket of ``root``'s process tree."""
+    import psutil
+
+    procs = {}
+    try:
+        top = psutil.Process(root)
+        procs = {p.pid: p for p in [top, *top.children(recursive=True)]}
+    except psutil.Error:
+        pass
+    out = []
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.pid in procs:
+            try:
+                name = procs[c.pid].name()
+            except psutil.Error:
+                name = "?"
+            out.append((c.laddr.ip, c.laddr.port, name))
+    return sorted(out)

@@ -1,0 +1,109 @@
+"""Issue 22, "nothing stalls in silence": when no learner step completes for ``cluster.progress_timeout_s`` (unset:
+max(600 s, 10 x the slowest step so far); 0: never), the driver ends the run in one ``error:`` line naming the
+blocked component and the state of every component. The decision (``ProgressWatchdog``, on a fake clock) and the
+line (``stall_message``, on the stats messages the components send). A real stalled training:
+tests/integration/test_train_stall.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from async_agent_rl.config import ConfigError, load_config
+from async_agent_rl.errors import error_line
+from async_agent_rl.stats import AdmissionStats, BufferStats, RolloutStats
+from driver.train import PROGRESS_FLOOR_S, ProgressWatchdog, RunFailed, stall_message
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_default_limit_is_ten_slowest_steps_with_a_floor():
+    clock = Clock()
+    w = ProgressWatchdog(None, clock)
+    assert w.limit() == PROGRESS_FLOOR_S == 600
+    clock.t += 599
+    assert not w.expired()
+    clock.t += 2
+    assert w.expired()  # the first step never came within 600 s
+    for took in (30.0, 90.0, 45.0):  # steps (waiting for the batch included)
+        w.waiting()
+        clock.t += took
+        assert w.step_done() == took
+    assert w.slowest == 90 and w.limit() == 900  # 10 x the slowest, above the floor
+    w.waiting()
+    clock.t += 899
+    assert not w.expired()
+    clock.t += 2
+    assert w.expired() and w.waited() == 901
+
+
+def test_a_configured_limit_is_used_as_is_and_zero_never_fires():
+    clock = Clock()
+    w = ProgressWatchdog(20, clock)
+    w.waiting()
+    clock.t += 19
+    assert not w.expired()
+    clock.t += 2
+    assert w.expired()
+    off = ProgressWatchdog(0, clock)
+    clock.t += 10**7
+    assert off.limit() is None and not off.expired()
+
+
+def test_the_config_key_takes_seconds_and_refuses_negatives():
+    assert load_config(None).cluster.progress_timeout_s is None
+    assert load_config(None, ["cluster.progress_timeout_s=0"]).cluster.progress_timeout_s == 0
+    assert load_config(None, ["cluster.progress_timeout_s=90"]).cluster.progress_timeout_s == 90
+    with pytest.raises(ConfigError, match="progress_timeout_s"):
+        load_config(None, ["cluster.progress_timeout_s=-1"])
+
+
+def buffer(**admission) -> BufferStats:
+    return BufferStats(size=12, ready_groups=1, pending_groups=2, learner_version=3,
+                       admission=AdmissionStats(**admission))
+
+
+def actor(i: int, **kw) -> RolloutStats:
+    return RolloutStats(index=i, ready=True, **kw)
+
+
+def test_an_admission_that_grants_nothing_is_named_with_every_components_state():
+    msg = stall_message(
+        step=3, waited=612.4, limit=600, configured=True, learner="waiting for a batch (idle)",
+        buffer=buffer(running=0, groups_open=4, oldest_open_version=1),
+        actors=[actor(0, running=0, pushed=48, failed=1), actor(1, running=0, pushed=0)],
+        last_push_s=[400.2, None], last_publish=(3, 420.0), checkpoint="checkpoint runs/x/checkpoints/step_000003")
+    line = error_line(RunFailed(msg))
+    assert line == (
+        "error: no learner step completed for 612 s (step 4; limit 600 s, cluster.progress_timeout_s); "
+        "blocked: admission (no episode running: 4 groups open, the oldest admitted at version 1, learner version 3); "
+        "learner: waiting for a batch (idle); "
+        "buffer: 12 rows, 1 ready groups, 2 pending groups; admission: 0 running, 4 groups open, oldest open version 1; "
+        "actor0: running, 0 episodes running, 48 pushed, last push 400 s ago, 1 failed; "
+        "actor1: running, 0 episodes running, 0 pushed, never pushed, 0 failed; "
+        "last publish: version 3, 420 s ago; checkpoint runs/x/checkpoints/step_000003")
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize("learner, buf, actors, blocked", [
+    ("computing step 5 for up to 700 s (its batch has arrived)", buffer(), [actor(0, running=3)],
+     "blocked: the learner (computing step 5"),
+    ("waiting 700 s for the buffer's answer to sample_batch", "not answering (stats() took more than 10 s)",
+     [actor(0, running=3)], "blocked: the replay buffer (not answering"),
+    ("waiting for a batch (idle)", buffer(running=2), ["not answering (stats() took more than 10 s)", actor(1)],
+     "blocked: rollout actor 0 (not answering)"),
+    ("waiting for a batch (idle)", buffer(running=5), [actor(0, running=5)],
+     "blocked: the rollout actors (5 episodes running, no batch completed)"),
+])  # fmt: skip
+def test_the_blocked_component_is_named(learner, buf, actors, blocked):
+    msg = stall_message(step=4, waited=700, limit=600, configured=False, learner=learner, buffer=buf, actors=actors,
+                        last_push_s=[None] * len(actors), last_publish=None, checkpoint="no checkpoint")
+    assert blocked in msg, msg
+    assert "cluster.progress_timeout_s unset: max(600, 10 x the slowest step)" in msg and "last publish: none" in msg
