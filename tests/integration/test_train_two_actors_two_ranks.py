@@ -10,6 +10,9 @@ reports), without changing any of it.
    every version (its own reload records) and ends at the learner's final version, and each actor's sampled tokens
    are what the weights of the version stamped on them give: the behavior log-probs the engine recorded equal a
    transformers model's under the published weights of that version (and differ under the previous version's).
+   Publishes land inside model turns (at least one such turn; ~10 per run seen), and under
+   ``weight_update_mode=pause`` such a turn is labelled token by token: the version it started at, then newer ones,
+   contiguous and never going back, each token with its own version's log-prob.
 2. The staleness bound holds on every consumed batch: the learner version at consumption minus the oldest version
    of each trajectory's tokens is at most ``buffer.max_staleness``, no token comes from a future version, and
    metrics.jsonl and the buffer's own staleness histogram say the same. The run is off-policy up to the bound (a
@@ -25,7 +28,9 @@ new version number sampled tokens off by up to 0.11 in log-prob (against 2e-6 ot
 rows alone (before the learner reduced them over ranks) were another loss (0.45 against -0.25 in
 test_learner_two_ranks).
 
-About 65 s on 2 shared cores, plus the session's hot SFT warm start (``searching_model_dir``, ~15 s).
+About 65 s on 2 idle cores, plus the session's hot SFT warm start (``searching_model_dir``, ~15 s); on 2 cores
+shared with a training job, 260 s (210-245 s with 16 or 8 episodes at a time per actor, which produced no turn
+with a publish inside).
 """
 
 from __future__ import annotations
@@ -204,9 +209,12 @@ def test_two_actors_two_ranks_every_version_everywhere_bounded_staleness_single_
     cfg = load_config(REPO / "configs/quickstart.yaml", [
         f"run.output_dir={tmp_path}", "run.name=two_by_two", *world_overrides(world_dir, searching_model_dir),
         "sft.enabled=false", "monitoring.enabled=false", "eval.at_start=false", "eval.at_end=false",
+        # 4 episodes at a time per actor: the two batches the bound admits take several waves, so the actors are still
+        # generating while the learner steps and publishes (with 16 or 8 at a time they finished first and idled: no
+        # publish landed inside a turn, one run each; with 4, ten such turns)
         # two batches in flight: the rollouts can run ahead of the learner, so only the staleness bound (the
         # buffer's admission and eviction) keeps a batch from reaching the learner two versions late
-        "rollout.num_actors=2", "rollout.group_size=4", "rollout.max_concurrent_episodes=16",
+        "rollout.num_actors=2", "rollout.group_size=4", "rollout.max_concurrent_episodes=4",
         "learner.num_ranks=2", "learner.zero_stage=3", f"learner.total_steps={STEPS}", f"learner.lr={LR}",
         "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=4",
         f"buffer.max_staleness={ETA}", "buffer.group_filter=none", "weight_sync.every_steps=1",
@@ -264,14 +272,17 @@ def check_every_actor_got_every_version(rec: Recording, rows: list[dict], weight
     models = {v: hf_model(model_dir, state) for v, state in weights.items()}
     diffs: dict[tuple[str, int], list[float]] = defaultdict(list)  # (actor, version) -> |behavior - reference|
     prev_diffs: dict[tuple[str, int], list[float]] = defaultdict(list)  # the same tokens under version - 1
-    spanning = 0
+    spanning: list[tuple[str, list[int]]] = []  # (actor, the versions of a model turn's tokens) with a publish inside
     for traj in rec.pushed:
         ids = torch.tensor(traj.prompt_ids + traj.response_ids)
         p = len(traj.prompt_ids)
         behavior = torch.tensor(traj.behavior_logprobs)
         versions = torch.tensor(traj.versions)
         generated = torch.tensor(traj.loss_mask) > 0
-        spanning += sum(len(set(traj.versions[t.start:t.end])) > 1 for t in traj.turns if t.kind == "model")
+        for t in traj.turns:
+            turn_versions = traj.versions[t.start:t.end]
+            if t.kind == "model" and len(set(turn_versions)) > 1:  # a publish landed inside this turn
+                spanning.append((traj.meta.actor_id, turn_versions))
         reference: dict[int, torch.Tensor] = {}  # version -> log-probs of the response's tokens
         for version in sorted(set(versions[generated].tolist())):
             positions = torch.nonzero(generated & (versions == version)).flatten()
@@ -285,10 +296,17 @@ def check_every_actor_got_every_version(rec: Recording, rows: list[dict], weight
     report = {k: (len(v), max(v), float(np.mean(v)), float(np.mean(prev_diffs[k])) if prev_diffs[k] else None)
               for k, v in sorted(diffs.items())}
     print(f"(actor, version): (tokens, max |behavior - reference|, mean, mean under version - 1): {report}; "
-          f"model turns with a publish inside: {spanning}")
+          f"model turns with a publish inside: {[(a, Counter(v)) for a, v in spanning]}")
     for actor in ("actor0", "actor1"):
         seen = sorted(v for a, v in diffs if a == actor)
         assert set(seen) <= set(range(final + 1)) and len(seen) >= 2 and seen[-1] >= 1, (actor, seen)
+    # publishes landed inside model turns, and under weight_update_mode=pause such a turn is labelled token by token:
+    # its tokens before the publish carry the version it started at, those after it the newer one (contiguous,
+    # never going back), and every token's log-prob is its own version's (checked below with all the others)
+    assert spanning, "no publish landed inside a model turn: the pause-mode relabelling went untested"
+    for actor, turn_versions in spanning:
+        assert turn_versions == sorted(turn_versions) and turn_versions[0] < turn_versions[-1], (actor, turn_versions)
+        assert turn_versions[-1] - turn_versions[0] == len(set(turn_versions)) - 1, (actor, turn_versions)
     for key, d in diffs.items():
         assert max(d) < LOGPROB_TOL, (key, report[key])
         if prev_diffs[key]:  # the check tells versions apart: the previous version's weights compute other log-probs
