@@ -395,6 +395,9 @@ class ClusterConfig(_Section):
     buffer_cpus: float = Field(0.0, ge=0)
     max_actor_restarts: int = Field(3, ge=0, description="times Ray restarts a dead rollout actor (then the run fails)")
     actor_timeout_s: float = Field(120.0, gt=0, description="a rollout actor silent this long is treated as dead")
+    actor_setup_timeout_s: float = Field(
+        900.0, gt=0, description="a restarted rollout actor must be set up again (engine built, model loaded) within "
+        "this long, or the run ends in one error: line; large models on GPUs load for minutes")
     progress_timeout_s: Optional[float] = Field(
         None, ge=0, description="no learner step completed this long: the run saves a checkpoint and ends in one "
         "error: line naming the blocked component; null: max(600, 10 x the slowest step so far); 0: never")

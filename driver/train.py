@@ -828,14 +828,16 @@ class Trainer:
         self.lost_episodes += lost
         self.restarts[actor_id] = self.restarts.get(actor_id, 0) + 1
         self._ray_restarts[i] = self._ray_restarts.get(i, 0) + 1
-        deadline = time.monotonic() + self.cfg.cluster.actor_timeout_s
-        while True:  # Ray re-runs __init__ in a new process (max_restarts); wait until it answers
+        limit = self.cfg.cluster.actor_setup_timeout_s
+        deadline = time.monotonic() + limit
+        while True:  # Ray re-runs __init__ in a new process (max_restarts); wait until it answers and is set up
             try:
-                ray.get(actor.setup.remote(), timeout=self.cfg.cluster.actor_timeout_s)
+                ray.get(actor.setup.remote(), timeout=max(1.0, deadline - time.monotonic()))
                 break
-            except RayActorError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rollout actor {i} did not come back within {self.cfg.cluster.actor_timeout_s} s")
+            except (RayActorError, GetTimeoutError) as e:
+                if time.monotonic() >= deadline:
+                    raise RunFailed(f"rollout actor {i} was not set up again within cluster.actor_setup_timeout_s="
+                                    f"{limit:g} s after a restart ({type(e).__name__})") from None
                 time.sleep(1.0)
         weights, republish = self.weights_ref, False
         if weights is None and self.version > 0:  # the collective path keeps no copy of what it published

@@ -219,3 +219,32 @@ def test_an_actor_that_stopped_generating_with_no_restart_left_ends_the_run_in_o
     assert time.monotonic() - t0 < 10, "within seconds"
     assert error_line(info.value) == (f"error: rollout actor 0: stopped generating: {PUSH_FAILED} (restarted 0 "
                                       "time(s) already, cluster.max_actor_restarts=0)")
+
+
+class SlowSecondSetup(SlowFirstIncarnation):
+    """Its restarted incarnation takes far longer to set up than the run allows (a large model loading)."""
+
+    def setup(self) -> dict:
+        if not self.first:
+            time.sleep(60)
+        return super().setup()
+
+
+def test_a_restarted_actor_that_is_not_set_up_in_time_ends_the_run_in_one_error_line(tmp_path):
+    """Before: a fixed ``actor_timeout_s`` for the restarted actor's setup, and its GetTimeoutError escaped as a
+    traceback. Now ``cluster.actor_setup_timeout_s`` bounds it and the run ends in one error line naming the key."""
+    cfg = load_config(None, ["cluster.actor_timeout_s=3", "cluster.actor_setup_timeout_s=5", "rollout.group_size=2",
+                             "learner.batch_size=4", "learner.mini_batch_size=4", "learner.micro_batch_size=4"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
+    trainer.mon = None
+    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
+    actor_cls = ray.remote(num_cpus=0, max_restarts=1)(SlowSecondSetup)
+    trainer.actors = [actor_cls.remote(0, str(tmp_path / "incarnated"))]
+    trainer.publisher = create_publisher("object_store", trainer.actors)
+    ray.get(trainer.actors[0].setup.remote())
+    t0 = time.monotonic()
+    with pytest.raises(RunFailed) as err:
+        trainer.supervise()
+    assert time.monotonic() - t0 < 40
+    line = error_line(err.value)
+    assert "cluster.actor_setup_timeout_s=5" in line and "\n" not in line
