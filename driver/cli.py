@@ -126,6 +126,14 @@ def cmd_train_dry_run(args: argparse.Namespace) -> int:
     return 2 if report.problems else 0
 
 
+def _at_least_one(value: int | None, flag: str) -> bool:
+    """False (after one ``error:`` line) when a count given on the command line is below 1."""
+    if value is not None and value < 1:
+        print(f"error: {flag} must be at least 1, got {value}", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -133,6 +141,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     from actors.stack import local_stack, write_episodes
     from async_agent_rl.data.search_r1 import read_qa_files
     from driver.prepare import prepare
+
+    if not _at_least_one(args.num_episodes, "--num-episodes"):
+        return 2
 
     cfg = _config(args)
     for line in prepare(cfg):
@@ -174,6 +185,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     from actors.stack import read_episodes
     from driver.show import format_trajectory
 
+    if not _at_least_one(args.limit, "--limit"):
+        return 2
+
     trajs = read_episodes(args.file)
     if not trajs:
         raise InputError(f"{args.file}: no episodes in the file")
@@ -197,6 +211,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from actors.stack import local_stack, run_greedy, score_episodes, write_episodes
     from async_agent_rl.data.search_r1 import read_qa_files
 
+    if not _at_least_one(args.limit, "--limit"):
+        return 2
     cfg = _config(args)
     model = args.checkpoint or cfg.model.path
     if not (Path(model) / "config.json").is_file():  # never a Hugging Face Hub repo id: only local folders

@@ -128,3 +128,15 @@ def test_an_unexpected_exception_is_one_line_too(monkeypatch, capsys):
     assert code == 1 and "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         "error: unexpected KeyError: 'surprise' (rerun with -v for the traceback)"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["eval", "--config", QUICKSTART, "--limit", "-5"], "--limit"),
+    (["eval", "--config", QUICKSTART, "--limit", "0"], "--limit"),
+    (["rollout", "--config", QUICKSTART, "--num-episodes", "-1"], "--num-episodes"),
+    (["show", "episodes.jsonl", "--limit", "0"], "--limit"),
+])
+def test_counts_below_one_are_refused_before_anything_starts(argv, flag, capsys):
+    """Before: ``eval --limit -5`` and ``rollout --num-episodes -1`` were taken at face value."""
+    code, err = run_cli(argv, capsys)
+    assert_one_error_line(code, err, flag, "at least 1")
