@@ -50,6 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve.add_argument("--max-query-chars", type=int, default=limits.max_query_chars)
     serve.add_argument("--max-topk", type=int, default=limits.max_topk)
     serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
+    serve.add_argument("--exit-with-parent", type=int, metavar="PID", default=None,
+                       help="stop when process PID (the parent that started this server) is gone")
     serve.set_defaults(func=cmd_serve)
 
     index = sub.add_parser("index", help="build an index for a corpus and save it")
@@ -127,7 +129,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     exposed = exposure_warning(config.host)
     if exposed:
         print(f"warning: {exposed}", file=sys.stderr, flush=True)
-    asyncio.run(serve_until_signalled(backend, config, f"({len(passages)} passages, {config.backend})"))
+    asyncio.run(serve_until_signalled(backend, config, f"({len(passages)} passages, {config.backend})",
+                                      parent_pid=args.exit_with_parent))
     return 0
 
 

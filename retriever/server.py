@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -479,15 +480,28 @@ def start_server_in_thread(
     return ServerThread(backend, config, metrics).start()
 
 
-async def serve_until_signalled(backend: SearchBackend, config: RetrieverConfig, announce: str = "") -> None:
-    """Serve until SIGINT/SIGTERM; print ``retriever listening on URL`` (flushed) once listening."""
+async def serve_until_signalled(backend: SearchBackend, config: RetrieverConfig, announce: str = "",
+                                parent_pid: int | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (or, with ``parent_pid``, until that process is gone: a server a training started
+    must not outlive it, even when the training is killed with SIGKILL and cleans nothing up); print
+    ``retriever listening on URL`` (flushed) once listening."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    async def watch_parent() -> None:
+        while os.getppid() == parent_pid:  # re-parented (to init or a subreaper) once the parent has died
+            await asyncio.sleep(0.5)
+        logger.warning("retriever: parent process %d is gone; shutting down", parent_pid)
+        stop.set()
+
     async with serve(backend, config) as url:
         print(f"retriever listening on {url} {announce}".rstrip(), flush=True)
+        watcher = asyncio.create_task(watch_parent()) if parent_pid is not None else None
         await stop.wait()
+        if watcher is not None:
+            watcher.cancel()
 
 
 # --------------------------------------------------------------------------------------------------- subprocess
@@ -573,7 +587,7 @@ def spawn_server(corpus: str | Path, config: RetrieverConfig | None = None, time
         "--batch-window-ms", str(c.batch_window_ms), "--max-batch-queries", str(c.max_batch_queries),
         "--max-queries-per-request", str(c.limits.max_queries_per_request),
         "--max-query-chars", str(c.limits.max_query_chars), "--max-topk", str(c.limits.max_topk),
-        "--max-body-bytes", str(c.limits.max_body_bytes),
+        "--max-body-bytes", str(c.limits.max_body_bytes), "--exit-with-parent", str(os.getpid()),
     ]  # fmt: skip
     if c.index_dir is not None:
         argv += ["--index", c.index_dir]

@@ -352,3 +352,34 @@ def test_other_corpus_with_the_same_index_is_refused(tmp_path, corpus_file, pass
     write_corpus(other, passages[:100])
     assert cli.main(["serve", "--corpus", str(other), "--index", str(index_dir), "--port", "0"]) == 2
     assert "built for another corpus" in capsys.readouterr().err
+
+
+def test_a_spawned_server_does_not_outlive_a_parent_killed_with_sigkill(tmp_path, corpus_file):
+    """Before: SIGKILL of a training left its retrieval server running (seen for over 7 minutes). The server a
+    process spawns watches its parent and stops within about a second of it being gone."""
+    import os
+    import signal
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from retriever.server import spawn_server; p = spawn_server(sys.argv[1]); "
+         "print(p.proc.pid, flush=True); time.sleep(600)", str(corpus_file)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(child, 0)  # alive and serving
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail(f"the retrieval server (pid {child}) outlived its killed parent by 15 s")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
