@@ -4,14 +4,27 @@
     batch-synchronous turn loop as in Search-R1 (every active episode generates, then every one searches, turn by
     turn). The synchronous arm runs the SAME ``EpisodeRunner`` code with two barriers per turn around generation
     (all active episodes start their turn together and wait for the slowest), processing batches of K episodes.
-(b) orchestration overhead: the asynchronous rollout's generated tokens/s divided by the raw engine's tokens/s when
-    it generates exactly the same turns (same prompts, same token counts, no stop strings, no tools) at the same
-    concurrency.
+(b) orchestration overhead (latency ``none`` only): the asynchronous rollout's generated tokens/s divided by the
+    raw engine's tokens/s when it generates the same episodes' turns right after, as chains at the same concurrency
+    (same token counts, the recorded observations appended, no stop strings, no tools; ``run_raw``).
+(c) search latency (``--latency none,web,local``): one block of both arms per model, all in one run. The harness
+    wraps the search tool the ``EpisodeRunner`` calls (``LatencySearch``, the ``SearchTool`` protocol of
+    ``async_agent_rl.episode``) so that every call sleeps a sampled latency (``asyncio.sleep``) and then returns the
+    real retriever's answer. The retriever server itself is never slowed. Models (``LATENCY_MODELS``): ``none``;
+    ``web``: log-normal, median 0.3 s, sigma 0.8, capped at 8 s (a web search API: most calls a few hundred ms, a
+    tail to seconds); ``local``: log-normal, median 20 ms, sigma 0.5, capped at 0.5 s (a dense retriever on a GPU).
+    Every arm draws from its own RNG seeded with the same ``--latency-seed``, so both arms of a block see the same
+    latency sequence in call order.
 
-The policy is a short, hot SFT warm start of the tiny model (about half its first turns search), so the number of
-turns per episode varies widely (1 to max_turns), which is where a batch barrier hurts.
+Each latency model runs ``--rounds`` rounds over consecutive chunks of the episodes; the arm order alternates
+between rounds (sync first, then async first) and the engine's prefix cache is emptied before every phase, so
+load drift on a shared machine and cached KV hit both arms alike. An arm's episodes/s is its total over rounds.
 
-    python benchmarks/rollout_bench.py [--episodes 128] [--concurrency 32]
+The policy is a short SFT warm start of the tiny model on an expert that always searches first (no pretraining):
+every episode searches about once, and the number of turns varies (2 to max_turns: some later turns are invalid
+actions), which is where a batch barrier hurts.
+
+    python benchmarks/rollout_bench.py [--episodes 256] [--rounds 4] [--concurrency 32] [--latency none,web,local]
 """
 
 from __future__ import annotations
@@ -19,7 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import random
 import tempfile
 import time
 from collections import Counter
@@ -28,6 +43,46 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+# name -> (median seconds, sigma of the log, cap seconds); None: no added latency
+LATENCY_MODELS: dict[str, tuple[float, float, float] | None] = {
+    "none": None,
+    "web": (0.3, 0.8, 8.0),
+    "local": (0.02, 0.5, 0.5),
+}
+
+
+class LatencySearch:
+    """A ``SearchTool`` (``async_agent_rl.episode``) that sleeps a sampled latency before each call of the real one.
+
+    Benchmark harness only: the retriever server and the product's ``SearchClient`` are unchanged."""
+
+    def __init__(self, inner, model: tuple[float, float, float] | None, seed: int):
+        self.inner, self.model = inner, model
+        self.rng = random.Random(seed)
+        self.delays: list[float] = []
+
+    def sample(self) -> float:
+        if self.model is None:
+            return 0.0
+        median, sigma, cap = self.model
+        return min(cap, self.rng.lognormvariate(math.log(median), sigma))
+
+    async def search(self, query: str):
+        delay = self.sample()
+        self.delays.append(delay)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return await self.inner.search(query)
+
+    def summary(self) -> dict:
+        d = sorted(self.delays)
+        if not d:
+            return {"calls": 0}
+        q = lambda f: round(d[min(len(d) - 1, int(f * len(d)))], 3)  # noqa: E731
+        return {"calls": len(d), "mean_s": round(sum(d) / len(d), 3), "p50_s": q(0.5), "p90_s": q(0.9),
+                "p99_s": q(0.99), "max_s": round(d[-1], 3)}
 
 
 async def run_async(runner, examples, concurrency, group_size):
@@ -66,27 +121,58 @@ async def run_sync(runner, examples, concurrency):
 
 
 async def run_raw(engine, trajs, concurrency):
-    """The same model turns, generated without tools: prompt = what preceded the turn, max_tokens = its length."""
+    """The same episodes without tools or orchestration: each trajectory's model turns generated in order as one
+    chain (``concurrency`` chains in flight, as episodes in the asynchronous arm), every turn with max_tokens = the
+    recorded turn's length and no stop strings, and the recorded observation tokens appended after it (no search,
+    no tokenizing, no parsing). A turn's prompt is the prompt, the chain's OWN earlier turns and the observations, so
+    the engine's prefix cache serves a chain exactly as it serves an episode (its own earlier turns are cached, the
+    observation is prefilled)."""
     from actors.engine import TurnRequest
 
-    reqs = []
-    for t in trajs:
-        for span in t.turns:
-            if span.kind == "model":
-                reqs.append(TurnRequest(prompt_ids=t.prompt_ids + t.response_ids[: span.start], max_tokens=span.length,
-                                        stop=(), temperature=1.0))  # fmt: skip
+    sem = asyncio.Semaphore(concurrency)
+    total = 0
+
+    async def chain(t):
+        nonlocal total
+        async with sem:
+            context = list(t.prompt_ids)
+            for span in t.turns:
+                if span.kind != "model":
+                    context += t.response_ids[span.start : span.end]
+                    continue
+                out = await engine.generate(TurnRequest(prompt_ids=context, max_tokens=span.length, stop=(),
+                                                        temperature=1.0))  # fmt: skip
+                context += out.token_ids
+                total += len(out.token_ids)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(chain(t) for t in trajs))
+    return total, time.perf_counter() - t
+
+
+async def run_raw_turns(engine, trajs, concurrency):
+    """Independent first turns (prompt, recorded length, no stop strings), ``concurrency`` in flight."""
+    from actors.engine import TurnRequest
+
+    reqs = [TurnRequest(prompt_ids=t.prompt_ids, max_tokens=t.turns[0].length, stop=(), temperature=1.0)
+            for t in trajs]  # fmt: skip
     sem = asyncio.Semaphore(concurrency)
     total = 0
 
     async def one(r):
         nonlocal total
         async with sem:
-            out = await engine.generate(r)
-            total += len(out.token_ids)
+            total += len((await engine.generate(r)).token_ids)
 
     t = time.perf_counter()
     await asyncio.gather(*(one(r) for r in reqs))
     return total, time.perf_counter() - t
+
+
+async def fresh_cache(engine) -> None:
+    """Empty the engine's prefix cache (it is idle between phases), so no phase reuses the previous one's KV."""
+    if not await engine.llm.reset_prefix_cache():
+        raise RuntimeError("vLLM did not reset its prefix cache (requests still running?)")
 
 
 def summarize(name, trajs, seconds):
@@ -120,8 +206,8 @@ async def main(args) -> dict:
     cfg = load_config("configs/quickstart.yaml", [
         f"run.output_dir={work}", f"model.path={work}/model", f"data.world_dir={work}/world",
         f"data.train_files=[{work}/world/train.parquet]", f"data.test_files=[{work}/world/test.parquet]",
-        f"data.corpus_file={work}/world/corpus.jsonl", "sft.num_demos=64", "sft.epochs=2", "sft.warmup_steps=1",
-        "sft.lr=1e-2", f"rollout.max_concurrent_episodes={args.concurrency}", f"rollout.max_turns={args.max_turns}", f"rollout.temperature={args.temperature}",
+        f"data.corpus_file={work}/world/corpus.jsonl", "sft.num_demos=1024", "sft.epochs=1", "sft.warmup_steps=5",
+        "sft.lr=3e-3", "sft.pretrain_steps=0", "sft.expert_search_prob=1.0", f"rollout.max_concurrent_episodes={args.concurrency}", f"rollout.max_turns={args.max_turns}", f"rollout.temperature={args.temperature}",
         f"rollout.max_response_length={96 * args.max_turns}", f"model.max_model_len={max(1024, 96 * args.max_turns + 256)}",
     ])  # fmt: skip
     for line in prepare(cfg):
@@ -131,31 +217,64 @@ async def main(args) -> dict:
         run_sft(cfg, cfg.model.path, model)
     examples = read_qa_parquet(cfg.data.train_files[0])[: args.episodes]
     tok = AutoTokenizer.from_pretrained(model)
+    settings = EpisodeSettings.from_config(cfg)
+    blocks, scaling = [], {}
     with spawn_server(cfg.data.corpus_file, cfg.retriever) as server:
         engine = await VLLMEngine.create(str(model), cfg)
         try:
             async with SearchClient(server.url, cfg.retriever.client) as sc:
-                runner = EpisodeRunner(engine, sc, tok, EpisodeSettings.from_config(cfg))
-                await run_sync(runner, examples[: args.concurrency], args.concurrency)  # warm-up, not timed
-                sync_trajs, sync_s = await run_sync(runner, examples, args.concurrency)
-                async_trajs, async_s = await run_async(runner, examples, args.concurrency, 1)
-                raw_tokens, raw_s = await run_raw(engine, async_trajs, args.concurrency)
-                scaling = {}
+
+                def runner(latency: str) -> EpisodeRunner:
+                    search = LatencySearch(sc, LATENCY_MODELS[latency], args.latency_seed)
+                    return EpisodeRunner(engine, search, tok, settings)
+
+                await run_sync(runner("none"), examples[: args.concurrency], args.concurrency)  # warm-up, not timed
+                chunk = -(-len(examples) // args.rounds)
+                for latency in args.latency:  # both arms of a latency model back to back, in interleaved rounds
+                    sync_runner, async_runner = runner(latency), runner(latency)
+                    sync_trajs, async_trajs, sync_s, async_s, raw_tokens, raw_s = [], [], 0.0, 0.0, 0, 0.0
+                    for r in range(args.rounds):  # round r: sync then async when r is even, async then sync if odd
+                        part = examples[r * chunk : (r + 1) * chunk]
+                        for arm in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
+                            await fresh_cache(engine)
+                            if arm == "sync":
+                                trajs, secs = await run_sync(sync_runner, part, args.concurrency)
+                                sync_trajs, sync_s = sync_trajs + trajs, sync_s + secs
+                                continue
+                            trajs, secs = await run_async(async_runner, part, args.concurrency, 1)
+                            async_trajs, async_s = async_trajs + trajs, async_s + secs
+                            if latency == "none":  # orchestration overhead: right after, on the same episodes
+                                await fresh_cache(engine)
+                                tokens, secs = await run_raw(engine, trajs, args.concurrency)
+                                raw_tokens, raw_s = raw_tokens + tokens, raw_s + secs
+                    a = summarize("asynchronous", async_trajs, async_s) | {"latency": async_runner.search.summary()}
+                    s = summarize("batch-synchronous", sync_trajs, sync_s) | {"latency": sync_runner.search.summary()}
+                    block = {
+                        "latency_model": latency,
+                        "latency_params": LATENCY_MODELS[latency],
+                        "arms": [a, s],
+                        "async_over_sync_episodes_per_s": round(a["episodes_per_s"] / s["episodes_per_s"], 2),
+                        "async_over_sync_tokens_per_s": round(
+                            a["generated_tokens_per_s"] / s["generated_tokens_per_s"], 2),
+                        "load_average_1min": round(os.getloadavg()[0], 1),
+                    }
+                    if latency == "none":
+                        block["raw_engine_tokens_per_s"] = round(raw_tokens / raw_s, 1)
+                        block["overhead_ratio"] = round(a["generated_tokens_per_s"] / (raw_tokens / raw_s), 2)
+                    print(json.dumps(block), flush=True)
+                    blocks.append(block)
                 for c in args.scaling:  # the raw engine's tokens/s against how many sequences share a step
                     n = max(c * 4, 32)  # the same first turns for every concurrency
-                    tokens, secs = await run_raw(engine, async_trajs[: n // 2], c)
+                    tokens, secs = await run_raw_turns(engine, async_trajs[:n], c)
                     scaling[c] = round(tokens / secs, 1)
         finally:
             await engine.close()
-    a, s = summarize("asynchronous", async_trajs, async_s), summarize("batch-synchronous", sync_trajs, sync_s)
     result = {
         "episodes": args.episodes,
+        "rounds": args.rounds,
         "concurrency": args.concurrency,
-        "arms": [a, s],
-        "async_over_sync_episodes_per_s": round(a["episodes_per_s"] / s["episodes_per_s"], 2),
-        "async_over_sync_tokens_per_s": round(a["generated_tokens_per_s"] / s["generated_tokens_per_s"], 2),
-        "raw_engine_tokens_per_s": round(raw_tokens / raw_s, 1),
-        "overhead_ratio": round(a["generated_tokens_per_s"] / (raw_tokens / raw_s), 2),
+        "multiprocess_engine_core": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
+        "blocks": blocks,
         "raw_engine_tokens_per_s_by_concurrency": scaling,
     }
     print(json.dumps(result, indent=2))
@@ -164,12 +283,19 @@ async def main(args) -> dict:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--episodes", type=int, default=128)
+    p.add_argument("--episodes", type=int, default=256, help="episodes per arm and latency model")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per latency model (arm order alternates)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--work", help="folder for the world, model and SFT (default: a temp dir)")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout.temperature (higher: longer tail of turns)")
     p.add_argument("--model", help="policy folder (default: a short hot SFT warm start made in --work)")
     p.add_argument("--max-turns", type=int, default=4, help="rollout.max_turns (observations budgeted at 96 tokens)")
-    p.add_argument("--scaling", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 8, 32],
-                   help="also measure the raw engine at these concurrencies (comma-separated; empty: skip)")
-    asyncio.run(main(p.parse_args()))
+    p.add_argument("--scaling", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                   help="also measure the raw engine on first turns at these concurrencies (comma-separated; default: skip; gave implausibly low numbers in the last run, not yet checked)")
+    p.add_argument("--latency", type=lambda s: [x for x in s.split(",") if x], default=list(LATENCY_MODELS),
+                   help=f"search-latency models, one block of both arms each (comma-separated: {', '.join(LATENCY_MODELS)})")
+    p.add_argument("--latency-seed", type=int, default=0, help="seed of every arm's latency RNG")
+    a = p.parse_args()
+    if unknown := [x for x in a.latency if x not in LATENCY_MODELS]:
+        p.error(f"unknown --latency model(s) {unknown}; known: {', '.join(LATENCY_MODELS)}")
+    asyncio.run(main(a))
