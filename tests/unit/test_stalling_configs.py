@@ -89,7 +89,7 @@ def test_a_retrieval_server_beyond_loopback_warns_when_it_starts(tmp_path, monke
     corpus.write_text(json.dumps({"id": "1", "contents": '"Alpha"\nAlpha is a city.'}) + "\n")
     served = []
 
-    async def serve_until_signalled(backend, config, announce=""):
+    async def serve_until_signalled(backend, config, announce="", parent_pid=None):
         served.append(config.host)
 
     monkeypatch.setattr(retriever.cli, "serve_until_signalled", serve_until_signalled)
