@@ -57,15 +57,22 @@ class SlowFirstIncarnation:
                             setups=self.setups, began=self.started)
 
 
+def supervised(cfg, tmp_path: Path, actor_cls: type, max_restarts: int = 1, quiet: bool = True) -> Trainer:
+    """A Trainer with a real buffer actor, one stand-in rollout actor (restartable ``max_restarts`` times by Ray,
+    ``actor_cls(0, marker)``) and an object-store publisher that is told of restarts; no monitoring."""
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=quiet)
+    trainer.mon = None
+    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
+    remote_cls = ray.remote(num_cpus=0, max_restarts=max_restarts)(actor_cls)
+    trainer.actors = [remote_cls.remote(0, str(tmp_path / "incarnated"))]
+    trainer.publisher = create_publisher("object_store", trainer.actors)  # a restarted actor is reported to it
+    return trainer
+
+
 def test_a_slow_actor_is_killed_before_it_is_set_up_again(tmp_path):
     cfg = load_config(None, ["cluster.actor_timeout_s=3", "rollout.group_size=2", "learner.batch_size=4",
                              "learner.mini_batch_size=4", "learner.micro_batch_size=4", "buffer.max_staleness=0"])
-    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
-    trainer.mon = None
-    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
-    actor_cls = ray.remote(num_cpus=0, max_restarts=1)(SlowFirstIncarnation)
-    trainer.actors = [actor_cls.remote(0, str(tmp_path / "incarnated"))]
-    trainer.publisher = create_publisher("object_store", trainer.actors)  # a restarted actor is reported to it
+    trainer = supervised(cfg, tmp_path, SlowFirstIncarnation)
     slow = trainer.actors[0]
     first_pid = ray.get(slow.setup.remote())["pid"]
     assert ray.get(trainer.buffer.try_start.remote(2, 0, "actor0-g", "actor0")) == 2
@@ -156,24 +163,9 @@ def test_a_restart_on_the_collective_path_never_stamps_unpublished_weights(tmp_p
 PUSH_FAILED = "RolloutFailure: rollout worker actor0: pushing finished episodes failed: ConnectionError: buffer gone"
 
 
-class StoppedGenerating:
+class StoppedGenerating(SlowFirstIncarnation):
     """Rollout actor stand-in whose first incarnation is alive and answers, but its rollouts ended (a failed push:
     ``stats().done``, ``error()`` the cause), as ``RolloutActor`` reports it (tests/unit/test_rollout_failures.py)."""
-
-    def __init__(self, index: int, marker: str):
-        self.index, self.setups, self.started = index, 0, False
-        self.first = not Path(marker).exists()
-        Path(marker).touch()
-
-    def setup(self) -> dict:
-        self.setups += 1
-        return {"index": self.index, "pid": os.getpid()}
-
-    def start(self) -> None:
-        self.started = True
-
-    def update_weights(self, version, weights) -> dict:
-        return {"version": version}
 
     def error(self) -> str | None:
         return PUSH_FAILED if self.first else None
@@ -187,12 +179,7 @@ def stopped_actor_trainer(tmp_path, max_restarts: int) -> Trainer:
     cfg = load_config(None, [f"cluster.max_actor_restarts={max_restarts}", "cluster.actor_timeout_s=10",
                              "rollout.group_size=2", "learner.batch_size=4", "learner.mini_batch_size=4",
                              "learner.micro_batch_size=4"])
-    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=False)
-    trainer.mon = None
-    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
-    actor_cls = ray.remote(num_cpus=0, max_restarts=max_restarts)(StoppedGenerating)
-    trainer.actors = [actor_cls.remote(0, str(tmp_path / "incarnated"))]
-    trainer.publisher = create_publisher("object_store", trainer.actors)
+    trainer = supervised(cfg, tmp_path, StoppedGenerating, max_restarts=max_restarts, quiet=False)
     ray.get(trainer.actors[0].setup.remote())
     return trainer
 
@@ -235,12 +222,7 @@ def test_a_restarted_actor_that_is_not_set_up_in_time_ends_the_run_in_one_error_
     traceback. Now ``cluster.actor_setup_timeout_s`` bounds it and the run ends in one error line naming the key."""
     cfg = load_config(None, ["cluster.actor_timeout_s=3", "cluster.actor_setup_timeout_s=5", "rollout.group_size=2",
                              "learner.batch_size=4", "learner.mini_batch_size=4", "learner.micro_batch_size=4"])
-    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
-    trainer.mon = None
-    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
-    actor_cls = ray.remote(num_cpus=0, max_restarts=1)(SlowSecondSetup)
-    trainer.actors = [actor_cls.remote(0, str(tmp_path / "incarnated"))]
-    trainer.publisher = create_publisher("object_store", trainer.actors)
+    trainer = supervised(cfg, tmp_path, SlowSecondSetup)
     ray.get(trainer.actors[0].setup.remote())
     t0 = time.monotonic()
     with pytest.raises(RunFailed) as err:
