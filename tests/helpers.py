@@ -11,6 +11,16 @@ from pathlib import Path
 DENSE_DEPS = all(importlib.util.find_spec(m) for m in ("faiss", "sentence_transformers"))  # the [dense] extra
 
 
+class Clock:
+    """A settable clock for code that takes ``clock=`` (seconds): advance it with ``clock.now += dt``."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def traj(gid: str, member: int = 0, version: int = 0, tokens: int = 4, priority: float | None = None,
          reward: float = 0.0, em: float | None = None) -> bytes:
     """A replay-buffer trajectory as wire bytes: a 2-token prompt plus ``tokens - 2`` generated tokens, all of

@@ -9,15 +9,9 @@ import pytest
 
 from async_agent_rl.progress import Progress, duration
 
+from tests.helpers import Clock
+
 pytestmark = pytest.mark.unit
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_duration() -> None:
@@ -25,11 +19,11 @@ def test_duration() -> None:
 
 
 def test_terminal_prints_every_interval_with_rate_and_eta() -> None:
-    out, clock = io.StringIO(), Clock()
+    out, clock = io.StringIO(), Clock(0.0)
     p = Progress("[sft] pretraining", 100, stream=out, interactive=True, interval_s=5, clock=clock)
     printed = []
     for step in range(1, 100):
-        clock.t += 1.0  # one step per second
+        clock.now += 1.0  # one step per second
         printed.append(p.update(step, tokens=step * 2048, loss=5.0 - step / 100))
     lines = [x for x in printed if x]
     assert len(lines) == 19  # at 5, 10, ..., 95 seconds; the last step is left to the closing line
@@ -40,20 +34,20 @@ def test_terminal_prints_every_interval_with_rate_and_eta() -> None:
 
 
 def test_log_gets_one_line_per_tenth() -> None:
-    out, clock = io.StringIO(), Clock()
+    out, clock = io.StringIO(), Clock(0.0)
     p = Progress("[sft] demonstrations", 30, stream=out, interactive=False, clock=clock)
     for step in range(1, 31):
-        clock.t += 100.0  # slow steps: no time-based lines in a log anyway
+        clock.now += 100.0  # slow steps: no time-based lines in a log anyway
         p.update(step, loss=1.0)
     lines = out.getvalue().splitlines()
     assert [line.split()[2] for line in lines] == [f"{3 * k}/30" for k in range(1, 10)]
 
 
 def test_closing_line_is_text_with_steps_time_rate_and_loss() -> None:
-    out, clock = io.StringIO(), Clock()
+    out, clock = io.StringIO(), Clock(0.0)
     p = Progress("[sft] pretraining", 10, stream=out, interactive=False, clock=clock)
     for step in range(1, 11):
-        clock.t += 12.5
+        clock.now += 12.5
         p.update(step, tokens=step * 1000, loss=2.0)
     text = p.close(final_loss=1.9876, extra="threads 1")
     assert text == "[sft] pretraining done: 10 steps in 2m05s, 80 tokens/s, final loss 1.988; threads 1"

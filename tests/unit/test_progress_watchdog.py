@@ -13,34 +13,28 @@ from async_agent_rl.errors import error_line
 from async_agent_rl.stats import AdmissionStats, BufferStats, RolloutStats
 from driver.train import PROGRESS_FLOOR_S, ProgressWatchdog, RunFailed, stall_message
 
+from tests.helpers import Clock
+
 pytestmark = pytest.mark.unit
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_the_default_limit_is_ten_slowest_steps_with_a_floor():
     clock = Clock()
     w = ProgressWatchdog(None, clock)
     assert w.limit() == PROGRESS_FLOOR_S == 600
-    clock.t += 599
+    clock.now += 599
     assert not w.expired()
-    clock.t += 2
+    clock.now += 2
     assert w.expired()  # the first step never came within 600 s
     for took in (30.0, 90.0, 45.0):  # steps (waiting for the batch included)
         w.waiting()
-        clock.t += took
+        clock.now += took
         assert w.step_done() == took
     assert w.slowest == 90 and w.limit() == 900  # 10 x the slowest, above the floor
     w.waiting()
-    clock.t += 899
+    clock.now += 899
     assert not w.expired()
-    clock.t += 2
+    clock.now += 2
     assert w.expired() and w.waited() == 901
 
 
@@ -48,12 +42,12 @@ def test_a_configured_limit_is_used_as_is_and_zero_never_fires():
     clock = Clock()
     w = ProgressWatchdog(20, clock)
     w.waiting()
-    clock.t += 19
+    clock.now += 19
     assert not w.expired()
-    clock.t += 2
+    clock.now += 2
     assert w.expired()
     off = ProgressWatchdog(0, clock)
-    clock.t += 10**7
+    clock.now += 10**7
     assert off.limit() is None and not off.expired()
 
 

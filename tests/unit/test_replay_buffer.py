@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from async_agent_rl.config import BufferConfig
 from async_agent_rl.records import RecordError, EpisodeMeta, Trajectory, TurnSpan
-from tests.helpers import ids, traj
+from tests.helpers import Clock, ids, traj
 from buffer.replay_buffer import (
     EVICT_PARTIAL_TIMEOUT,
     EVICT_STALE,
@@ -21,14 +21,6 @@ from buffer.replay_buffer import (
 )
 
 pytestmark = pytest.mark.unit
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(group_size=2, clock=None, **cfg) -> ReplayBuffer:
