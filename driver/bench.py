@@ -136,9 +136,10 @@ def _tail(path: Path, n: int = 15) -> str:
     return "\n".join(lines[-n:])
 
 
-def warm_start(config: str, overrides: list[str], root: Path, say) -> Path:
+def warm_start(config: str, overrides: list[str], root: Path, say, make: bool = True) -> Path:
     """The SFT warm start for ``config`` + ``overrides``, in ``root/<hash of its inputs>``: made by
-    ``async-agent-rl sft`` unless a finished one is there."""
+    ``async-agent-rl sft`` unless a finished one is there (or ``make`` is false: then only its folder is named, so
+    a study whose arms are all finished does not redo its warm start)."""
     from learner.sft import check_warm_start, warm_start_inputs
 
     cfg = load_config(config, overrides)
@@ -148,6 +149,8 @@ def warm_start(config: str, overrides: list[str], root: Path, say) -> Path:
     folder = root / hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
     if check_warm_start(folder, inputs):
         say(f"[warm start] present: {folder}")
+        return folder
+    if not make:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     say(f"[warm start] {cfg.sft.num_demos} demonstrations -> {folder}")
@@ -176,11 +179,12 @@ def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, 
     runs: list[ArmRun] = []
     for arm in arms:
         arm_overrides = [*overrides, *arm.overrides]
-        if base.sft.enabled:
+        if base.sft.enabled:  # named first; made only when the arm is trained (below)
+            ws_overrides = arm_overrides if arm.own_warm_start else overrides
             if arm.own_warm_start:
-                ws = warm_start(config, arm_overrides, warm_starts, say)
+                ws = warm_start(config, arm_overrides, warm_starts, say, make=False)
             else:
-                shared = shared or warm_start(config, overrides, warm_starts, say)
+                shared = shared or warm_start(config, overrides, warm_starts, say, make=False)
                 ws = shared
             arm_overrides += [f"model.path={ws}", "sft.enabled=false"]
         arm_overrides += [*common, f"run.name={arm.name}"]
@@ -196,6 +200,8 @@ def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, 
             run.reused = True
             say(f"[{arm.name}] finished run present in {run.run_dir}: reused")
         else:
+            if base.sft.enabled:
+                warm_start(config, ws_overrides, warm_starts, say)
             say(f"[{arm.name}] {arm.label}: train {' '.join(arm.overrides)} -> {run.run_dir}")
             _clear(run.run_dir)
             rc, run.seconds = _run([*_cli(), "train", "--config", config, *arm_overrides], out / f"{arm.name}.log")

@@ -72,3 +72,22 @@ def test_seeds_must_be_distinct_and_non_negative():
     for bad in ("", "1,1", "-1"):
         with pytest.raises(ValueError):
             parse_seeds(bad)
+
+
+def test_a_study_whose_arms_are_finished_does_not_redo_its_warm_start(tmp_path, monkeypatch):
+    """Resuming a study from kept arms (another session, a fresh clone) must not pay for the warm start again; it is
+    made only when an arm still has to be trained."""
+    import driver.bench as bench
+
+    calls: list[str] = []
+    monkeypatch.setattr(bench, "_run", lambda cmd, log: (calls.append(cmd[cmd.index("--config") - 1]), (0, 1.0))[1])
+    monkeypatch.setattr(bench, "arm_result", lambda run_dir: {"em_start": 0.0, "em_end": 0.5, "reward_last": 0.5,
+                                                              "samples_per_s": 1.0})
+    overrides = list(bench.seed_overrides(0, tmp_path / "worlds" / "seed_0"))
+    arms = bench.sync_arms(2)
+    monkeypatch.setattr(bench, "_finished_with", lambda run_dir, cfg: True)
+    bench.run_arms("configs/quickstart.yaml", overrides, arms, tmp_path / "sync", 2, 1, say=lambda _: None)
+    assert calls == []  # every arm reused: no sft, no train
+    monkeypatch.setattr(bench, "_finished_with", lambda run_dir, cfg: run_dir.name == arms[0].name)
+    bench.run_arms("configs/quickstart.yaml", overrides, arms, tmp_path / "sync", 2, 1, say=lambda _: None)
+    assert calls == ["sft", "train"]  # the second arm is trained: its warm start is made first
