@@ -317,7 +317,7 @@ class VLLMEngine:
                                         mode: str = "pause") -> WeightUpdateStats:
         """The collective path: pause, receive the learner's broadcast of ``specs`` in the workers and reload it
         in place, stamp ``version``, resume. The specs must have passed ``check_weight_specs`` on every engine
-        before the learner sends (``learner.weight_sync.CollectivePublisher`` does that)."""
+        before the learner sends (``driver.weight_sync.CollectivePublisher`` does that)."""
         _check_mode(mode)
         async with self._update_lock:
             t0 = time.perf_counter()

@@ -130,7 +130,7 @@ class RolloutActor:
         self._updates.append(rec)
         return dataclasses.asdict(rec)
 
-    # the collective path (learner.weight_sync.CollectivePublisher): the engine's workers join the learner's group
+    # the collective path (driver.weight_sync.CollectivePublisher): the engine's workers join the learner's group
     async def join_weight_group(self, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float,
                                 generation: int) -> list[int]:
         return await self.engine.join_weight_group(port, rank_offset, world_size, backend, timeout_s, generation)

@@ -30,7 +30,7 @@ import aiohttp
 from async_agent_rl.config import SearchClientConfig
 from async_agent_rl.episode import ErrorKind, SearchError
 from async_agent_rl.stats import SearchStats
-from retriever.backends import Hit
+from async_agent_rl.search import Hit
 
 ERROR_KINDS: tuple[ErrorKind, ...] = ("timeout", "connection", "http_status", "bad_reply")
 RETRYABLE_STATUS = frozenset({408, 429})

@@ -313,7 +313,7 @@ class WeightSyncConfig(_Section):
     every_steps: int = Field(1, ge=1, description="publish weights (bump the version) every k learner steps")
     method: Literal["object_store", "collective"] = Field(
         "object_store", description="object_store: through Ray's object store (a RAM file into vLLM); collective: "
-        "the learner's rank 0 broadcasts into every engine's workers (learner/weight_sync.py)")
+        "the learner's rank 0 broadcasts into every engine's workers (driver/weight_sync.py)")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="collective: the process group's backend; auto = gloo on CPU, nccl on GPU")
     timeout_s: float = Field(300.0, gt=0, description="collective: how long a member waits for the others (joining "

@@ -1,7 +1,7 @@
 """One multi-turn search episode, as one async function over an engine and a search tool (no Ray, vLLM or HTTP inside).
 
 Used by the rollout actors (``actors``: vLLM engine, HTTP ``SearchClient``) and by the SFT warm start's
-demonstrations (``learner.demos``: a scripted expert engine, the search backend in process), so both produce
+demonstrations (``warm_start.demos``: a scripted expert engine, the search backend in process), so both produce
 episodes by the same code. It lives in the core so that neither of those packages imports the other.
 
 The loop, per turn (Search-R1 semantics, docs/ALGORITHMS.md sections 1-2)::

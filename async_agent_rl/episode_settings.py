@@ -1,7 +1,7 @@
 """An episode's budgets, sampling and prompt settings, read from a ``Config`` once.
 
 Read by the episode loop (``async_agent_rl.episode.EpisodeRunner``), which both the rollout actors and the
-demonstration writer (``learner.demos``) run.
+demonstration writer (``warm_start.demos``) run.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ message             produced by                                     consumed by
 ``BufferStats``     ``ReplayBuffer.stats()``, ``BufferActor``       the driver, ``BufferMetrics``
 ``LearnerStats``    ``Learner.train_step``                          the driver, ``LearnerMetrics``
 ``DriverStats``     the driver (faults)                             ``DriverMetrics``
-``PublishStats``    ``learner.weight_sync`` publishers              metrics.jsonl, ``DriverMetrics``
+``PublishStats``    ``driver.weight_sync`` publishers              metrics.jsonl, ``DriverMetrics``
 ``LearningStats``   ``driver.train.LearningSignals``                metrics.jsonl, ``LearningMetrics``
 ``EvalScore``       (the keys of one ``score_episodes`` entry)      ``EvalMetrics``
 ==================  ==============================================  ==========================================

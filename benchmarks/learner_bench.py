@@ -93,7 +93,7 @@ def bench_publish(cfg: Config, learner, publishes: int) -> dict:
     import ray
 
     from actors.engine import VLLMEngine
-    from learner.weight_sync import ObjectStorePublisher
+    from driver.weight_sync import ObjectStorePublisher
 
     class EngineHost:
         async def start(self, model_dir: str, cfg: Config) -> None:

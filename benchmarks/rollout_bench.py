@@ -199,7 +199,7 @@ async def main(args) -> dict:
     from async_agent_rl.data.search_r1 import read_qa_parquet
     from async_agent_rl.episode_settings import EpisodeSettings
     from driver.prepare import prepare
-    from learner.sft import run_sft
+    from warm_start.sft import run_sft
     from retriever.server import spawn_server
 
     work = Path(args.work or tempfile.mkdtemp(prefix="rollout_bench_"))

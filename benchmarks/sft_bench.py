@@ -1,4 +1,4 @@
-"""Warm-start training throughput: our loop (``learner.sft``) against a bare PyTorch loop, side by side.
+"""Warm-start training throughput: our loop (``warm_start.sft``) against a bare PyTorch loop, side by side.
 
     python benchmarks/sft_bench.py                               # ~6 minutes on 2 loaded cores
     python benchmarks/sft_bench.py --before HEAD~1 --threads 1,2  # also the loop of an older commit
@@ -15,10 +15,10 @@ order, each batch padded to its longest row):
 - ``bare``: plain AdamW (same betas, constant LR), forward / loss / backward / step, on batches made before the
   clock starts; the demonstration loss is the same token-mean NLL over model tokens (output head on those positions
   only, as ours), with the attention mask passed as a plain loop would;
-- ``ours``: ``learner.sft.pretrain_on_texts`` (tokenizing its texts included) and ``learner.sft.train_on_demos``
+- ``ours``: ``warm_start.sft.pretrain_on_texts`` (tokenizing its texts included) and ``warm_start.sft.train_on_demos``
   (packing each batch, LR schedule, grad clipping, per-step metrics included), at the same fixed thread count;
 - ``ours-auto``: the same with ``ThreadTuner.for_machine()`` choosing the thread count, as ``run_sft`` does;
-- ``before`` (with ``--before REV``): the same two functions from ``learner/sft.py`` at git revision REV.
+- ``before`` (with ``--before REV``): the same two functions from ``warm_start/sft.py`` at git revision REV.
 
 ``--threads`` lists the fixed torch thread counts to run ``bare``, ``ours`` (and ``before``) at. The arms run in
 alternation, ``--rounds`` times, so a shared machine's changing load falls on all of them; reported per phase:
@@ -46,11 +46,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_before(rev: str) -> Any:
-    """``learner/sft.py`` as it was at git revision ``rev`` (or the file ``rev``), as a module."""
+    """``warm_start/sft.py`` as it was at git revision ``rev`` (or the file ``rev``), as a module."""
     if Path(rev).is_file():
         return _module_from(Path(rev))
-    src = subprocess.run(["git", "show", f"{rev}:learner/sft.py"], cwd=ROOT, check=True, capture_output=True,
-                         text=True).stdout
+    for where in ("warm_start/sft.py", "learner/sft.py"):  # the warm start lived in learner/ until it had a package
+        got = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=ROOT, capture_output=True, text=True)
+        if got.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"error: no warm_start/sft.py or learner/sft.py at git revision {rev}")
+    # an older loop imports the LR schedule from where it lived then
+    src = got.stdout.replace("from learner.learner import lr_factor",
+                             "from async_agent_rl.lr_schedule import lr_factor")
     path = Path(tempfile.mkdtemp(prefix="sft_before_")) / "sft_before.py"
     path.write_text(src)
     return _module_from(path)
@@ -96,11 +103,11 @@ def main() -> None:
     ap.add_argument("--demos", type=int, default=800)
     ap.add_argument("--threads", default="1", help="fixed torch thread counts for bare/ours/before, e.g. 1,2")
     ap.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True, help="run ours-auto")
-    ap.add_argument("--before", help="git revision (or file) whose learner/sft.py loop also runs (e.g. HEAD~1)")
+    ap.add_argument("--before", help="git revision (or file) whose warm_start/sft.py loop also runs (e.g. HEAD~1)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    import learner.sft as ours
+    import warm_start.sft as ours
     from async_agent_rl.batch import pack_batch
     from async_agent_rl.config import load_config
     from driver.bench import seed_overrides

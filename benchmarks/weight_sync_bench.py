@@ -112,7 +112,7 @@ def summary(xs: list[float]) -> dict[str, float]:
 def bench_size(model_dir: Path, publishes: int) -> dict:
     from async_agent_rl.weight_group import WeightGroup, listen_socket, weight_specs
     from learner.actor import create_learner_group
-    from learner.weight_sync import CollectivePublisher, ObjectStorePublisher
+    from driver.weight_sync import CollectivePublisher, ObjectStorePublisher
 
     cfg = config(model_dir)
     learner = create_learner_group(cfg)

@@ -20,7 +20,7 @@ per episode over training, one line per arm), one run folder and one log per arm
 
 ``bench learning`` repeats one RL arm per seed, each on a world of its own (``OUT/worlds/seed_<s>``: world, tiny
 model, warm start and training seeds all from the seed), and gives each an SFT-only arm: the same warm start
-trained further by SFT for RL's training time (``bench continue-sft``, ``learner.sft.continue_sft``), then
+trained further by SFT for RL's training time (``bench continue-sft``, ``warm_start.sft.continue_sft``), then
 ``async-agent-rl eval`` on the same held-out questions. Its report has one table per kind of question with the mean
 and standard error over seeds, ``learning_curves.png`` and ``learning_bars.png``.
 """
@@ -46,7 +46,7 @@ from async_agent_rl.config import Config, load_config
 from driver.plots import read_jsonl
 from driver.prepare import prepare
 
-# learner.sft (torch) and matplotlib are imported inside the functions that use them: the CLI imports this module
+# warm_start.sft (torch) and matplotlib are imported inside the functions that use them: the CLI imports this module
 # for every command, `config show` included.
 
 
@@ -140,7 +140,7 @@ def warm_start(config: str, overrides: list[str], root: Path, say, make: bool = 
     """The SFT warm start for ``config`` + ``overrides``, in ``root/<hash of its inputs>``: made by
     ``async-agent-rl sft`` unless a finished one is there (or ``make`` is false: then only its folder is named, so
     a study whose arms are all finished does not redo its warm start)."""
-    from learner.sft import check_warm_start, warm_start_inputs
+    from warm_start.sft import check_warm_start, warm_start_inputs
 
     cfg = load_config(config, overrides)
     for line in prepare(cfg):
@@ -491,7 +491,7 @@ def run_sft_only(config: str, rl: ArmRun, out: Path, force: bool = False, say=pr
 
 
 def _same_budget(run: ArmRun, budget: float) -> bool:
-    from learner.sft import CONTINUE_SUMMARY_FILE
+    from warm_start.sft import CONTINUE_SUMMARY_FILE
 
     try:
         done = json.loads((run.run_dir / CONTINUE_SUMMARY_FILE).read_text())
@@ -502,7 +502,7 @@ def _same_budget(run: ArmRun, budget: float) -> bool:
 
 def sft_only_result(run_dir: Path) -> dict[str, Any]:
     """The SFT-only arm's numbers from its folder: the continuation's summary and the evaluation's scores."""
-    from learner.sft import CONTINUE_SUMMARY_FILE
+    from warm_start.sft import CONTINUE_SUMMARY_FILE
 
     done = json.loads((run_dir / CONTINUE_SUMMARY_FILE).read_text())
     return {"steps": done["steps"], "rounds": done["rounds"], "sft_s": done["seconds"], "budget_s": done["budget_s"],
@@ -795,7 +795,7 @@ def cmd_learning(args: argparse.Namespace) -> int:
 
 
 def cmd_continue_sft(args: argparse.Namespace) -> int:
-    from learner.sft import continue_sft
+    from warm_start.sft import continue_sft
 
     if not (Path(args.warm_start) / "config.json").is_file():
         print(f"error: --warm-start {args.warm_start} holds no model", file=sys.stderr)

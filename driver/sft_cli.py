@@ -1,9 +1,9 @@
-"""``async-agent-rl sft``: the supervised warm start from generated demonstration episodes (``learner.sft``).
+"""``async-agent-rl sft``: the supervised warm start from generated demonstration episodes (``warm_start.sft``).
 
     async-agent-rl sft --config configs/quickstart.yaml [--out DIR] [--pretrain-steps N] [sft.epochs=3 ...]
 
 Reads the model at ``model.path``; optionally runs N steps of next-token pretraining on shuffled-fact observations of
-the world (a random-init model needs them to learn copying names; see ``learner.sft.run_sft``); demonstrates
+the world (a random-init model needs them to learn copying names; see ``warm_start.sft.run_sft``); demonstrates
 ``sft.num_demos`` train questions with the configured retriever and trains on them; writes the fine-tuned model +
 tokenizer (``save_pretrained``), ``sft_config.yaml``, ``sft_metrics.jsonl`` and ``sft_summary.json`` to ``--out``
 (default ``<run_dir>/sft``). Point ``model.path`` of the RL run at that folder.
@@ -19,7 +19,7 @@ from async_agent_rl.config import load_config
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from learner.sft import run_sft  # here, not at the top: the CLI imports this module for every command
+    from warm_start.sft import run_sft  # here, not at the top: the CLI imports this module for every command
 
     cfg = load_config(args.config, args.overrides)
     model_dir = Path(cfg.model.path)

@@ -59,8 +59,8 @@ from learner.checkpoint import (
     config_differences,
     newest_intact,
 )
-from learner.sft import check_warm_start, run_sft, warm_start_inputs
-from learner.weight_sync import WeightsRefused, create_publisher
+from warm_start.sft import check_warm_start, run_sft, warm_start_inputs
+from driver.weight_sync import WeightsRefused, create_publisher
 from monitoring.exporter import RunMonitoring
 from retriever.server import exposure_warning
 

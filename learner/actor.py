@@ -48,7 +48,7 @@ class LearnerActor:
         state = self.learner.state_dict_for_publish()
         return state if self.learner.rank == 0 else None
 
-    # the collective weight path (learner.weight_sync.CollectivePublisher): rank 0 is the group's sender
+    # the collective weight path (driver.weight_sync.CollectivePublisher): rank 0 is the group's sender
     def open_weight_group(self) -> int:
         """Rank 0: bind the group's rendezvous socket on loopback; returns its port."""
         self.close_weight_group()
@@ -145,7 +145,7 @@ class LearnerGroup:
         ray.wait(refs, num_returns=len(refs), fetch_local=False)
         return refs[0]
 
-    # the collective weight path: see LearnerActor and learner.weight_sync.CollectivePublisher
+    # the collective weight path: see LearnerActor and driver.weight_sync.CollectivePublisher
     def open_weight_group(self) -> int:
         return ray.get(self.actors[0].open_weight_group.remote())
 

@@ -75,7 +75,6 @@ step, version          counters after the step
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -99,6 +98,7 @@ from async_agent_rl.algorithms import (
 )
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config, LearnerConfig
+from async_agent_rl.lr_schedule import lr_factor
 from async_agent_rl.net import free_port
 from async_agent_rl.staleness import staleness
 from async_agent_rl.stats import LearnerStats
@@ -118,25 +118,6 @@ def require_finite(step: int, what: str, values: Iterator[tuple[str, Any]]) -> N
         raise NonFiniteError(f"learner step {step}: non-finite {what}: {', '.join(bad[:5])}"
                              f"{' ...' if len(bad) > 5 else ''}; training stopped, nothing of this step was published "
                              "or saved (the last checkpoint is the last good policy)")
-
-
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
-    """Multiplier of the base LR for learner step ``step`` (0-based); the schedule counts learner steps, as verl.
-
-    Warmup: ``(step + 1) / warmup_steps`` for ``step < warmup_steps``. Then, with
-    ``progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)`` clamped to [0, 1]:
-    ``constant`` 1, ``linear`` ``1 - progress``, ``cosine`` ``(1 + cos(pi * progress)) / 2``.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
-    if schedule == "constant":
-        return 1.0
-    if schedule == "linear":
-        return 1.0 - progress
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"lr_schedule {schedule!r}; allowed: constant, linear, cosine")
 
 
 def _import_deepspeed(device: str):

@@ -1,9 +1,7 @@
-"""Search backends behind one small Protocol: BM25 (default) and dense (optional extra).
-
-Contract of :meth:`SearchBackend.search`: ``search(queries, topk)`` returns one list per query, in query order, each
-with at most ``topk`` hits, best first (descending score). Fewer than ``topk`` hits, even none, is legal: a query with
-no term in the corpus vocabulary gets ``[]``. Backends are read-only after construction, so ``search`` may be called
-from a worker thread while the event loop keeps serving.
+"""Search backends: BM25 (default) and dense (optional extra), each a ``SearchBackend`` (``async_agent_rl.search``,
+which states the contract of ``search(queries, topk)``: one ranked list per query, best first, possibly empty).
+Backends are read-only after construction, so ``search`` may be called from a worker thread while the event loop
+keeps serving.
 
 Index directories hold a ``retriever_index.json`` that records the backend, the number of passages and a fingerprint
 of the corpus; loading an index against a different corpus fails with :class:`IndexMismatchError` instead of
@@ -13,76 +11,24 @@ silently returning wrong passages. Nothing is unpickled when loading.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import bm25s
 import numpy as np
 import Stemmer
 
-from async_agent_rl.data.corpus import Passage, TitledContents
+from async_agent_rl.data.corpus import Passage
 from async_agent_rl.errors import InputError
+from async_agent_rl.optional import import_optional
+from async_agent_rl.search import Hit, SearchBackend
 
 logger = logging.getLogger(__name__)
 
 INDEX_META_FILE = "retriever_index.json"
 INDEX_FORMAT_VERSION = 2  # 2: the fingerprint hashes the whole corpus (1: only its size, first and last rows)
-
-
-@dataclass(frozen=True)
-class Hit(TitledContents):
-    """One retrieved passage with its score; ``title``/``text`` split ``contents`` like :class:`Passage`."""
-
-    id: str
-    contents: str
-    score: float
-
-
-class SearchBackend(Protocol):
-    """Anything that answers a batch of queries with ranked passages (see the module docstring)."""
-
-    def search(self, queries: list[str], topk: int) -> list[list[Hit]]: ...
-
-
-class InProcessSearch:
-    """A search tool with the ``actors.search_client.SearchClient`` interface (``await search(query)``,
-    ``await search_many(queries)``) answered by a backend in this process, without a server.
-
-    Results are cached per ``(query, topk)`` (backends are deterministic); :meth:`prefetch` fills the cache with one
-    batched backend call. Backend exceptions propagate as they are (no ``SearchError``: nothing here is transient).
-    """
-
-    def __init__(self, backend: SearchBackend, topk: int):
-        self.backend = backend
-        self.topk = topk
-        self._cache: dict[tuple[str, int], list[Hit]] = {}
-
-    def prefetch(self, queries: Sequence[str], topk: int | None = None) -> None:
-        k = self.topk if topk is None else topk
-        missing = sorted({q for q in queries if q} - {q for q, kk in self._cache if kk == k})
-        if missing:
-            self._cache.update(((q, k), hits) for q, hits in zip(missing, self.backend.search(missing, k)))
-
-    def search_now(self, query: str, topk: int | None = None) -> list[Hit]:
-        """The hits for ``query`` (cached), synchronously."""
-        k = self.topk if topk is None else topk
-        if (query, k) not in self._cache:
-            self._cache[(query, k)] = self.backend.search([query], k)[0]
-        return self._cache[(query, k)]
-
-    async def search(self, query: str, topk: int | None = None) -> list[Hit]:
-        return self.search_now(query, topk)
-
-    async def search_many(self, queries: list[str], topk: int | None = None) -> list[list[Hit]]:
-        self.prefetch(queries, topk)
-        return [self.search_now(q, topk) for q in queries]
-
-    async def close(self) -> None:
-        pass
 
 
 class IndexMismatchError(InputError):
@@ -225,18 +171,6 @@ class BM25Backend:
 
 
 # ----------------------------------------------------------------------------------------------------------- dense
-def import_optional(module: str, package: str) -> Any:
-    """``module``, imported on first use: faiss and sentence-transformers are the optional ``dense`` extra, needed
-    only by the dense backend."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"the dense retriever backend needs the package {package!r} (pip install {package}, "
-            f"or the project's [dense] extra): {e}"
-        ) from e
-
-
 def check_encoder_dir(model_dir: str | Path | None) -> Path:
     """``model_dir`` as a Path; ``InputError`` if it is unset or not a folder (checked before anything loads)."""
     if model_dir is None:

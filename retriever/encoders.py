@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
 from async_agent_rl.errors import InputError
-from retriever.backends import import_optional
+from async_agent_rl.optional import import_optional
 
 MAX_LENGTH = 512  # tokens per text, at most (e5 and BERT-style encoders have 512 positions)
 

@@ -45,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits, is_loopback
 from async_agent_rl.errors import InputError
-from retriever.backends import Hit, SearchBackend
+from async_agent_rl.search import Hit, SearchBackend
 
 logger = logging.getLogger(__name__)
 

@@ -92,7 +92,7 @@ def searching_model_dir(world_dir, tiny_model_dir, tmp_path_factory) -> Path:
     it writes the Search-R1 format and searches in about half of its first turns at temperature 1 (the random-init
     model never does), for tests that need a policy that uses the retriever."""
     from async_agent_rl.config import load_config
-    from learner.sft import run_sft
+    from warm_start.sft import run_sft
     from tests.helpers import world_overrides
 
     cfg = load_config(REPO / "configs/quickstart.yaml", [

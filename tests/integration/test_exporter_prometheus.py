@@ -30,7 +30,7 @@ from buffer.replay_buffer import ReplayBuffer
 from driver.train import LearningSignals
 from monitoring import metrics as M
 from monitoring.exporter import RunMonitoring, start_exporter, write_sd_file
-from retriever.backends import Hit
+from async_agent_rl.search import Hit
 from retriever.server import start_server_in_thread
 from monitoring.prom import (
     DASHBOARD, PromQLError, check_dashboard, prometheus_binary, query, start_prometheus, targets, values, wait_for,

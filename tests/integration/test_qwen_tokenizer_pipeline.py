@@ -1,7 +1,7 @@
 """The real pipeline on a REAL tokenizer: a tiny random Qwen2 model on Qwen's 151k-token BPE and chat template
 (``qwen_model_dir``), where the home-made tokenizer's single-token tags hide every seam.
 
-- SFT warm start (``learner.sft.run_sft``) on a few scripted demonstrations, so that most turns are valid: they
+- SFT warm start (``warm_start.sft.run_sft``) on a few scripted demonstrations, so that most turns are valid: they
   search or answer, ending at a stop string, and some searches bring back passages;
 - rollout on the real vLLM engine, chat template and stop strings, against a real BM25 server: every trajectory is
   token-exact (the prompt decodes to the chat-templated text; each model span is exactly the tokens the engine
@@ -33,7 +33,7 @@ from async_agent_rl.episode import search_error_observation
 from async_agent_rl.prompts import STOP_STRINGS, prompt_text, render_question_prompt
 from async_agent_rl.render import INFORMATION_CLOSE, render_information
 from driver.show import format_trajectory
-from learner.sft import run_sft
+from warm_start.sft import run_sft
 from tests.helpers import world_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits
 from async_agent_rl.data.corpus import Passage, import_wiki_offline, read_corpus, write_corpus
 from async_agent_rl.render import render_information
+from async_agent_rl.search import Hit
 from retriever import cli
-from retriever.backends import BM25Backend, DenseBackend, Hit, IndexMismatchError
+from retriever.backends import BM25Backend, DenseBackend, IndexMismatchError
 from retriever.server import spawn_server, start_server_in_thread
 from tests.helpers import DENSE_DEPS, offline_minilm_dir, post, title_query
 

@@ -12,8 +12,8 @@ from async_agent_rl.config import load_config
 from async_agent_rl.data.corpus import read_corpus
 from async_agent_rl.data.search_r1 import read_qa_parquet
 from async_agent_rl.prompts import prompt_ids, render_question_prompt
-from learner.demos import make_demonstrations
-from learner.sft import METRICS_FILE, entity_token_ids, evaluate_nll, masked_nll, run_sft
+from warm_start.demos import make_demonstrations
+from warm_start.sft import METRICS_FILE, entity_token_ids, evaluate_nll, masked_nll, run_sft
 from retriever.backends import BM25Backend
 from tests.helpers import world_overrides
 

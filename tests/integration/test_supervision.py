@@ -18,7 +18,7 @@ from async_agent_rl.stats import RolloutStats
 from buffer.actor import create_buffer_actor
 from async_agent_rl.errors import error_line
 from driver.train import RunFailed, Trainer
-from learner.weight_sync import create_publisher
+from driver.weight_sync import create_publisher
 from tests.helpers import traj
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]

@@ -15,7 +15,7 @@ from async_agent_rl.batch import pack_batch
 from async_agent_rl.config import build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from learner.learner import Learner
-from learner.weight_sync import ObjectStorePublisher
+from driver.weight_sync import ObjectStorePublisher
 from tests.helpers import VLLM_ENV, EngineHost
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]

@@ -19,7 +19,7 @@ from async_agent_rl.config import Config, TinyModelConfig, build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.tiny_model import init_tiny_model
 from learner.actor import create_learner_group
-from learner.weight_sync import CollectivePublisher, ObjectStorePublisher, WeightsRefused
+from driver.weight_sync import CollectivePublisher, ObjectStorePublisher, WeightsRefused
 from tests.helpers import VLLM_ENV, EngineHost
 
 # slow: a learner actor and two vLLM engines; 160 s measured on 2 loaded cores (the fast tier's longest test by far)

@@ -66,7 +66,7 @@ def test_sync_summary_compares_at_the_lower_best():
 def learning_folders(tmp_path, seed, curve, sft_scores, train_s=40.0):
     """Synthetic run folders of one seed: the RL run's eval.jsonl (``curve``: per step, (single, bridge) EM and
     searches) and the SFT-only arm's scores.json and continuation summary."""
-    from learner.sft import CONTINUE_SUMMARY_FILE
+    from warm_start.sft import CONTINUE_SUMMARY_FILE
 
     def scores(single, bridge):
         (em1, s1), (em2, s2) = single, bridge

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from learner.weight_sync import CollectivePublisher, WeightsRefused, create_publisher
+from driver.weight_sync import CollectivePublisher, WeightsRefused, create_publisher
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]  # Ray: not a unit test
 

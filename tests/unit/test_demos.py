@@ -19,7 +19,7 @@ from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.records import OBS_VERSION
 from async_agent_rl.render import INFORMATION_CLOSE, render_information, truncate_observation
 from async_agent_rl.rewards import exact_match, is_valid_format
-from learner.demos import (
+from warm_start.demos import (
     DEMO_VERSION,
     DemoError,
     DemoExpert,
@@ -185,7 +185,7 @@ def test_unsurfaced_answer_is_a_counted_logged_demo_error(setup, caplog):
     assert e.value.reason == "bridge_not_retrieved"
 
     report = DemoReport()
-    with caplog.at_level(logging.INFO, logger="learner.demos"):
+    with caplog.at_level(logging.INFO, logger="warm_start.demos"):
         demos = make_demonstrations(cfg, tok, [wrong, bad_bridge, *train[:10]], backend, 10, report=report)
     assert len(demos) == 10 and {d.meta.question_id for d in demos}.isdisjoint({"bad-answer", "bad-bridge"})
     assert report.failed == {"answer_not_retrieved": 1, "bridge_not_retrieved": 1} and report.num_failed == 2
@@ -277,7 +277,7 @@ def test_an_imperfect_expert_mixes_guesses_and_one_hop_answers_independently_of_
     """``sft.expert_search_prob`` / ``expert_second_hop_prob``: a share of the demonstrations answers without
     searching (the relation's most common answer) or stops a bridge question after one search (answering the bridge
     entity); these are wrong and rewarded 0, the thorough ones right and rewarded 1."""
-    from learner.demos import GUESS, ONE_HOP, THOROUGH
+    from warm_start.demos import GUESS, ONE_HOP, THOROUGH
 
     cfg, tok, train, _, backend, _, _ = setup
     mixed = cfg.model_copy(deep=True)

@@ -1,4 +1,5 @@
-"""The learning-rate schedule of the RL learner and of SFT (``learner.learner.lr_factor``): pure arithmetic."""
+"""The learning-rate schedule of the RL learner and of SFT (``async_agent_rl.lr_schedule.lr_factor``): pure
+arithmetic."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import pytest
 
-from learner.learner import lr_factor
+from async_agent_rl.lr_schedule import lr_factor
 
 pytestmark = pytest.mark.unit
 

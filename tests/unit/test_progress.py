@@ -1,5 +1,5 @@
 """The progress helper (async_agent_rl.progress): time-based lines on a terminal, sparse ones in a log, a readable
-closing line; and the warm start's thread tuner (learner.sft.ThreadTuner) on made-up step times."""
+closing line; and the warm start's thread tuner (warm_start.sft.ThreadTuner) on made-up step times."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_not_a_terminal_by_default_for_a_string_buffer() -> None:
 def test_thread_tuner_keeps_the_cheaper_count_and_reprobes_later(monkeypatch) -> None:
     import torch
 
-    from learner.sft import ThreadTuner
+    from warm_start.sft import ThreadTuner
 
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
@@ -83,7 +83,7 @@ def test_thread_tuner_keeps_the_cheaper_count_and_reprobes_later(monkeypatch) ->
 def test_thread_tuner_follows_the_load_and_can_be_pinned(monkeypatch) -> None:
     import torch
 
-    from learner.sft import THREADS_ENV, ThreadTuner
+    from warm_start.sft import THREADS_ENV, ThreadTuner
 
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)

@@ -12,7 +12,7 @@ from async_agent_rl.config import load_config
 from async_agent_rl.errors import error_line
 from async_agent_rl.stats import PublishStats
 from driver.train import PUBLISH_FAILURES_FATAL, RunFailed, Trainer
-from learner.weight_sync import WeightsRefused
+from driver.weight_sync import WeightsRefused
 
 pytestmark = pytest.mark.unit
 

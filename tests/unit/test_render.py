@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from async_agent_rl.data.corpus import Passage
-from retriever.backends import Hit
+from async_agent_rl.search import Hit
 from async_agent_rl.render import (
     INFORMATION_CLOSE,
     INFORMATION_OPEN,

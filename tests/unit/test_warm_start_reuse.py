@@ -7,7 +7,7 @@ import json
 import pytest
 
 from async_agent_rl.config import load_config
-from learner.sft import INPUTS_FILE, SUMMARY_FILE, check_warm_start, warm_start_inputs
+from warm_start.sft import INPUTS_FILE, SUMMARY_FILE, check_warm_start, warm_start_inputs
 
 pytestmark = pytest.mark.unit
 

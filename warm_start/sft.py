@@ -4,7 +4,7 @@
 
     pretrain   (optional, sft.pretrain_steps) next-token LM on observation-formatted passages of the world with
                every fact shuffled (demos.shuffled_world_observations): reading and copying, no true facts
-    demos      make_demonstrations(train questions, real retrieval)                     (learner.demos)
+    demos      make_demonstrations(train questions, real retrieval)                     (warm_start.demos)
     SFT        per epoch: seeded shuffle -> length-grouped batches of sft.batch_size -> pack_batch (the RL
                learner's TrainBatch); loss = token-mean NLL over model-generated tokens (loss_mask == 1); AdamW;
                grad clip 1.0; linear warmup over sft.warmup_steps, then cosine decay to 0; the embedding rows of
@@ -42,9 +42,9 @@ from torch import Tensor
 
 from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import Config
+from async_agent_rl.lr_schedule import lr_factor
 from async_agent_rl.progress import Progress
 from async_agent_rl.records import Trajectory
-from learner.learner import lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -343,8 +343,8 @@ def build_demonstrations(cfg: Config, tokenizer: Any, report: Any = None) -> tup
     ``cfg.data.corpus_file``, and the corpus titles (entity names)."""
     from async_agent_rl.data.corpus import read_corpus
     from async_agent_rl.data.search_r1 import read_qa_files
-    from learner.demos import make_demonstrations, shuffled_world_demonstrations
     from retriever.backends import open_backend
+    from warm_start.demos import make_demonstrations, shuffled_world_demonstrations
 
     examples, _ = read_qa_files(cfg.data.train_files, cfg.data.on_bad_row)
     passages = read_corpus(cfg.data.corpus_file)
@@ -363,7 +363,7 @@ def build_demonstrations(cfg: Config, tokenizer: Any, report: Any = None) -> tup
 
 def _pretrain_texts(cfg: Config, steps: int, batch_size: int, seq_len: int, tokenizer: Any) -> list[str]:
     """Enough shuffled-world copies that ``steps`` batches see each window about once (no memorizing)."""
-    from learner.demos import shuffled_world_observations
+    from warm_start.demos import shuffled_world_observations
 
     world_file = Path(cfg.data.world_dir) / "world.json"
     if not world_file.is_file():
@@ -513,7 +513,7 @@ def run_sft(
     ``AAR_SFT_THREADS=N`` pins) and restored at the end.
     """
     from async_agent_rl.data.corpus import read_corpus
-    from learner.demos import DemoReport
+    from warm_start.demos import DemoReport
 
     s = cfg.sft
     pretrain_steps = s.pretrain_steps if pretrain_steps is None else pretrain_steps

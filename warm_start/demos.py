@@ -12,7 +12,7 @@ agent should::
 
 A demonstration IS a rollout episode: :meth:`DemoExpert.demonstrate` runs the rollouts' own episode loop
 (``async_agent_rl.episode.EpisodeRunner``) with a scripted engine (:class:`ExpertEngine`, which emits the expert's
-planned turns) and the configured search backend in process (``retriever.backends.InProcessSearch``: what the
+planned turns) and the configured search backend in process (``async_agent_rl.search.InProcessSearch``: what the
 retriever REALLY returns for the query, cached per query). Prompt, observations (rendering, truncation to
 ``rollout.max_obs_length``), budgets, loss mask, turn spans, versions and rewards therefore come from the same code as
 a rollout's, so SFT and RL train on the same sequences by construction:
@@ -39,7 +39,7 @@ within the truncated observation, the episode does not fit the budgets, the ques
 :class:`DemoError` in :meth:`DemoExpert.demonstrate`; :func:`make_demonstrations` counts and logs those, never drops
 them silently (:class:`DemoReport`). Only train questions may be demonstrated: a ``split == "test"`` example is refused.
 
-:func:`shuffled_world_observations` makes the text of the optional pretraining stage of ``learner.sft``: observations
+:func:`shuffled_world_observations` makes the text of the optional pretraining stage of ``warm_start.sft``: observations
 about every entity of the world with all facts shuffled (reading and copying, no true fact).
 """
 
@@ -60,7 +60,7 @@ from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.records import EpisodeMeta, Trajectory
 from async_agent_rl.render import render_information
 from async_agent_rl.rewards import exact_match
-from retriever.backends import Hit, InProcessSearch, SearchBackend
+from async_agent_rl.search import Hit, InProcessSearch, SearchBackend
 
 log = logging.getLogger(__name__)
 
