@@ -2,9 +2,9 @@
 
 On a terminal a line is printed every ``interval_s`` seconds; written to a file or a pipe (a log), one line per
 ``fraction`` of the total, so a log gets ~10 lines however long the loop runs. Each line: label, step/total (percent),
-steps/s, tokens/s (when the caller counts tokens), the latest loss, elapsed time and ETA at the average pace so far::
+steps/s, tokens/s (when the caller counts tokens), the latest loss, elapsed time and the time left at the average pace so far::
 
-    [sft] pretrain 250/1000 (25%)  4.1 steps/s  8,410 tokens/s  loss 3.214  elapsed 1m01s  ETA 3m03s
+    [sft] pretrain 250/1000 (25%)  4.1 steps/s  8,410 tokens/s  loss 3.214  elapsed 1m01s  left 3m03s
 
 ``close`` prints the phase's closing line (readable text, never a raw JSON object)::
 
@@ -94,7 +94,7 @@ class Progress:
             parts.append(f"loss {self.loss:.3f}")
         parts.append(f"elapsed {duration(elapsed)}")
         if self.done:
-            parts.append(f"ETA {duration((self.total - self.done) / rate)}")
+            parts.append(f"left {duration((self.total - self.done) / rate)}")
         return "  ".join(parts)
 
     def update(self, done: int, *, tokens: int | None = None, loss: float | None = None) -> str | None:

@@ -619,37 +619,57 @@ class Trainer:
         return DriverStats(self.lost_episodes, restarts)
 
     def train_step(self, t0: float) -> None:
-        cfg = self.cfg
+        """One RL step: the learner samples a batch from the buffer and updates on it; the new weights are published
+        to the rollout actors (every ``weight_sync.every_steps``); the step is recorded; a checkpoint when due.
+        Evaluation runs between steps (``run``)."""
+        metrics, wait_s = self._sample_and_update()
+        self.step = metrics.step
+        publish = self._publish_if_due()
+        self._record_step(metrics, publish, wait_s, t0)
+        if self.cfg.learner.checkpoint_every and self.step % self.cfg.learner.checkpoint_every == 0:
+            self.checkpoint()  # after the step's metrics line: a resume keeps exactly the lines up to here
+
+    def _sample_and_update(self) -> tuple[LearnerStats, float]:
+        """The learner's step on the next batch, and the seconds until that batch reached the learner. While no
+        batch comes, the actors are supervised (a dead one is restarted), a stop request is honoured and the
+        watchdog is checked; once a minute a line says why there is no batch."""
         wait0 = time.monotonic()
         next_report = wait0 + 60.0
-        metrics = None
         self.watchdog.waiting()
-        while metrics is None:
+        while True:
             # the batch goes from the buffer to the learner by reference; None: no batch within the timeout
             batch = self.buffer.sample_batch.remote(self.version, SUPERVISE_WHILE_WAITING_S)
             metrics = self._learner_step(batch)
-            if metrics is None:
-                # an actor that died while the buffer is short would otherwise never be restarted: no batch comes
-                self.supervise()
-                self._check_stop()  # the learner is idle here: a stop can checkpoint
-                if self.watchdog.expired():
-                    raise self._stalled("waiting for a batch (idle)", healthy=True)
-                if time.monotonic() > next_report:  # once a minute: why is there no batch?
-                    next_report += 60.0
-                    b = ray.get(self.buffer.stats.remote())
-                    self.log.say(f"[wait] no batch for {time.monotonic() - wait0:.0f} s: buffer size {b.size}, ready "
-                                 f"groups {b.ready_groups}, pending {b.pending_groups}, evicted {b.evicted}, "
-                                 f"admission {dataclasses.asdict(b.admission)}")
+            if metrics is not None:
+                break
+            # an actor that died while the buffer is short would otherwise never be restarted: no batch comes
+            self.supervise()
+            self._check_stop()  # the learner is idle here: a stop can checkpoint
+            if self.watchdog.expired():
+                raise self._stalled("waiting for a batch (idle)", healthy=True)
+            if time.monotonic() > next_report:
+                next_report += 60.0
+                b = ray.get(self.buffer.stats.remote())
+                self.log.say(f"[wait] no batch for {time.monotonic() - wait0:.0f} s: buffer size {b.size}, ready "
+                             f"groups {b.ready_groups}, pending {b.pending_groups}, evicted {b.evicted}, "
+                             f"admission {dataclasses.asdict(b.admission)}")
         self.watchdog.step_done()
-        wait_s = max(0.0, time.monotonic() - wait0 - metrics.step_time_s)  # until the batch was at the learner
-        self.step = metrics.step
-        publish = None
-        if self.step % cfg.weight_sync.every_steps == 0:
-            self.version, self.published_step = self.learner.bump_version(), self.step
-            # the object-store path keeps the weights it published (a restarted actor gets them); the collective
-            # path sends them from the learner and takes them again for a restarted actor only
-            self.weights_ref = self.learner.state_dict_ref() if cfg.weight_sync.method == "object_store" else None
-            publish = self.publish()
+        return metrics, max(0.0, time.monotonic() - wait0 - metrics.step_time_s)
+
+    def _publish_if_due(self) -> PublishStats | None:
+        """Bump the policy version and publish it when this step is a publishing step; None otherwise (or when the
+        publish failed, see ``publish``)."""
+        if self.step % self.cfg.weight_sync.every_steps:
+            return None
+        self.version, self.published_step = self.learner.bump_version(), self.step
+        # the object-store path keeps the weights it published (a restarted actor gets them); the collective path
+        # sends them from the learner and takes them again for a restarted actor only
+        self.weights_ref = self.learner.state_dict_ref() if self.cfg.weight_sync.method == "object_store" else None
+        return self.publish()
+
+    def _record_step(self, metrics: LearnerStats, publish: PublishStats | None, wait_s: float, t0: float) -> None:
+        """Everything a step reports: actors supervised and their stats, the monitor, the learning signals and their
+        warnings, one metrics.jsonl record and the console line."""
         rollout = self.supervise()
         buffer = ray.get(self.buffer.stats.remote())
         if self.mon is not None:
@@ -666,8 +686,6 @@ class Trainer:
         self.history.append(record)
         self.log.write("metrics.jsonl", record)
         self.log.say(self._step_line(record, metrics, t0))
-        if cfg.learner.checkpoint_every and self.step % cfg.learner.checkpoint_every == 0:
-            self.checkpoint()  # after the step's metrics line: a resume keeps exactly the lines up to here
 
     def _learner_step(self, batch: "ray.ObjectRef") -> LearnerStats | None:
         """``self.learner.train_step(batch)``, watched: it runs in a thread of its own while this one checks every
@@ -744,7 +762,7 @@ class Trainer:
         total = self.cfg.learner.total_steps
         elapsed = time.monotonic() - t0
         done = max(1, self.step - (self.first_step or 0))
-        eta = elapsed / done * (total - self.step)
+        left = elapsed / done * (total - self.step)  # time left at the pace so far
         flat = record["learning"]["zero_variance_share"]
         return (
             f"step {self.step:>{len(str(total))}}/{total}  reward {record['batch_reward']:.2f}  "
@@ -752,7 +770,7 @@ class Trainer:
             f"entropy {float('nan') if metrics.entropy is None else metrics.entropy:.3f}  "
             f"equal-reward groups {'  -' if flat is None else f'{flat:3.0%}'}  "
             f"stale {metrics.staleness_mean:.1f}/{metrics.staleness_max:.0f}  "
-            f"{record['episodes_per_s']:.0f} ep/s  wait {record['sample_wait_s']:.1f}s  eta {_duration(eta)}"
+            f"{record['episodes_per_s']:.0f} ep/s  wait {record['sample_wait_s']:.1f}s  left {_duration(left)}"
         )
 
     def publish(self) -> PublishStats | None:

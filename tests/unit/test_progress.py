@@ -29,7 +29,7 @@ def test_terminal_prints_every_interval_with_rate_and_eta() -> None:
     assert len(lines) == 19  # at 5, 10, ..., 95 seconds; the last step is left to the closing line
     assert lines[0].startswith("[sft] pretraining 5/100 (5%)")
     assert "1.00 steps/s" in lines[0] and "2,048 tokens/s" in lines[0] and "loss 4.950" in lines[0]
-    assert "ETA 1m35s" in lines[0]
+    assert "left 1m35s" in lines[0]
     assert out.getvalue().splitlines() == lines
 
 
