@@ -110,7 +110,7 @@ def main() -> None:
     import warm_start.sft as ours
     from async_agent_rl.batch import pack_batch
     from async_agent_rl.config import load_config
-    from driver.bench import seed_overrides
+    from driver.bench.arms import seed_overrides
     from driver.train import prepare
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

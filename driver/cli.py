@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(ev)
     ev.set_defaults(func=cmd_eval)
 
-    from driver.bench import register as register_bench
+    from driver.bench.cli import register as register_bench
     from driver.sft_cli import register as register_sft
     from retriever.cli import register as register_retriever
 

@@ -8,10 +8,11 @@ import math
 
 import pytest
 
-from driver.bench import (STUDIES, Arm, ArmRun, learning_arms, learning_summary, mean_se, seed_row,
-                                  sft_only_result, staleness_arms, sync_arms, sync_summary, time_to_em,
-                                  write_learning_report)
 from async_agent_rl.config import load_config
+from driver.bench.arms import STUDIES, Arm, ArmRun, learning_arms, staleness_arms, sync_arms
+from driver.bench.learning import learning_summary, seed_row, sft_only_result, write_learning_report
+from driver.bench.reports import sync_summary
+from driver.bench.results import mean_se, time_to_em
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from driver.bench import Arm, ArmRun, staleness_arms
-from driver.bench_seeds import (parse_seeds, per_seed_rows, staleness_recommendation, summarize, sync_comparison,
+from driver.bench.arms import Arm, ArmRun, staleness_arms
+from driver.bench.seeds import (parse_seeds, per_seed_rows, staleness_recommendation, summarize, sync_comparison,
                                 write_seeds_report)
 
 pytestmark = pytest.mark.unit
@@ -77,17 +77,21 @@ def test_seeds_must_be_distinct_and_non_negative():
 def test_a_study_whose_arms_are_finished_does_not_redo_its_warm_start(tmp_path, monkeypatch):
     """Resuming a study from kept arms (another session, a fresh clone) must not pay for the warm start again; it is
     made only when an arm still has to be trained."""
-    import driver.bench as bench
+    from driver.bench import arms as bench_arms, runner
 
     calls: list[str] = []
-    monkeypatch.setattr(bench, "_run", lambda cmd, log: (calls.append(cmd[cmd.index("--config") - 1]), (0, 1.0))[1])
-    monkeypatch.setattr(bench, "arm_result", lambda run_dir: {"em_start": 0.0, "em_end": 0.5, "reward_last": 0.5,
-                                                              "samples_per_s": 1.0})
-    overrides = list(bench.seed_overrides(0, tmp_path / "worlds" / "seed_0"))
-    arms = bench.sync_arms(2)
-    monkeypatch.setattr(bench, "_finished_with", lambda run_dir, cfg: True)
-    bench.run_arms("configs/quickstart.yaml", overrides, arms, tmp_path / "sync", 2, 1, say=lambda _: None)
+    def run_logged(cmd: list[str], log: object) -> tuple[int, float]:
+        calls.append(cmd[cmd.index("--config") - 1])  # the subcommand: sft or train
+        return 0, 1.0
+
+    monkeypatch.setattr(runner, "run_logged", run_logged)
+    monkeypatch.setattr(runner, "arm_result", lambda run_dir: {"em_start": 0.0, "em_end": 0.5, "reward_last": 0.5,
+                                                               "samples_per_s": 1.0})
+    overrides = list(bench_arms.seed_overrides(0, tmp_path / "worlds" / "seed_0"))
+    arms = bench_arms.sync_arms(2)
+    monkeypatch.setattr(runner, "finished_with", lambda run_dir, cfg: True)
+    runner.run_arms("configs/quickstart.yaml", overrides, arms, tmp_path / "sync", 2, 1, say=lambda _: None)
     assert calls == []  # every arm reused: no sft, no train
-    monkeypatch.setattr(bench, "_finished_with", lambda run_dir, cfg: run_dir.name == arms[0].name)
-    bench.run_arms("configs/quickstart.yaml", overrides, arms, tmp_path / "sync", 2, 1, say=lambda _: None)
+    monkeypatch.setattr(runner, "finished_with", lambda run_dir, cfg: run_dir.name == arms[0].name)
+    runner.run_arms("configs/quickstart.yaml", overrides, arms, tmp_path / "sync", 2, 1, say=lambda _: None)
     assert calls == ["sft", "train"]  # the second arm is trained: its warm start is made first

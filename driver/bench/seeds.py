@@ -19,9 +19,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from driver.bench import Arm, ArmRun, _mean, _pm, mean_se, read_jsonl, run_arms, seed_overrides, time_to_em
+from driver.bench.arms import Arm, ArmRun, seed_overrides
+from driver.bench.results import mean_of, mean_se, pm, time_to_em
+from driver.bench.runner import run_arms
+from driver.plots import read_jsonl
+
 
 TARGET_FRACTION = 0.9
+
+
 EM_MARGIN = 0.05  # the staleness recommendation: arms within this of the best final exact match are "as accurate"
 
 
@@ -63,9 +69,9 @@ def extra_numbers(run: ArmRun) -> dict[str, Any]:
     return {
         "staleness_histogram": hist,
         "staleness_max": max(hist) if hist else 0,
-        "iw_mean": _mean(x.get("iw_mean", float("nan")) for x in learner if x.get("iw_mean") is not None),
+        "iw_mean": mean_of(x.get("iw_mean", float("nan")) for x in learner if x.get("iw_mean") is not None),
         "iw_max": max((x["iw_max"] for x in learner if x.get("iw_max") is not None), default=float("nan")),
-        "iw_capped_frac": _mean(x["iw_capped_frac"] for x in learner if x.get("iw_capped_frac") is not None),
+        "iw_capped_frac": mean_of(x["iw_capped_frac"] for x in learner if x.get("iw_capped_frac") is not None),
         "long_share_generated": share_long("generated"),
         "long_share_consumed": share_long("consumed"),
         "evicted_stale": last.get("buffer_evicted", {}).get("stale", 0),
@@ -120,7 +126,7 @@ def seeds_table(arms: Sequence[Arm], summary: dict[str, dict[str, Any]]) -> str:
             lines.append(f"| {arm.label} | 0 |" + " |" * (len(head) - 2))
             continue
         cells = [arm.label, str(len(s["seeds"]))]
-        cells += ["n/a" if not s[key]["n"] else _pm(s[key], fmt) for _, key, fmt in SEED_COLUMNS]
+        cells += ["n/a" if not s[key]["n"] else pm(s[key], fmt) for _, key, fmt in SEED_COLUMNS]
         cells += [s["reached"], str(s["staleness_max"]), str(s["evicted_stale"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -143,7 +149,7 @@ def staleness_recommendation(arms: Sequence[Arm], summary: dict[str, dict[str, A
     fastest = max(dec, key=lambda x: x[1]["samples_per_s"]["mean"])
     lines.append("Trade-off: trained samples/s " + ", ".join(
         f"{a.label} {s['samples_per_s']['mean']:.2f}" for a, s in dec) +
-        f"; final EM " + ", ".join(f"{a.label} {s['em_end']['mean']:.3f}" for a, s in dec) +
+        "; final EM " + ", ".join(f"{a.label} {s['em_end']['mean']:.3f}" for a, s in dec) +
         f". The highest throughput is {fastest[0].label}.")
     return " ".join(lines)
 
@@ -164,9 +170,10 @@ def sync_comparison(rows: dict[str, list[dict]]) -> tuple[str, dict[str, Any]]:
     d = {"time_to_acc_ratio": mean_se(ratios), "samples_per_s_ratio": mean_se(sps)}
     if not ratios:
         return "No seed has both arms reaching the target: no time-to-accuracy ratio.", d
-    text = (f"Synchronous / asynchronous training time to the accuracy target: **{_pm(d['time_to_acc_ratio'], '{:.2f}')}x** "
+    text = (f"Synchronous / asynchronous training time to the accuracy target: "
+            f"**{pm(d['time_to_acc_ratio'], '{:.2f}')}x** "
             f"over {len(ratios)} seeds (per seed: {', '.join(f'{x:.2f}' for x in ratios)}); trained samples/s "
-            f"async / sync: {_pm(d['samples_per_s_ratio'], '{:.2f}')}x.")
+            f"async / sync: {pm(d['samples_per_s_ratio'], '{:.2f}')}x.")
     return text, d
 
 

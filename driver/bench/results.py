@@ -1,0 +1,92 @@
+"""An arm's numbers, read back from its run folder's own files, and the statistics over arms and seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from driver.plots import read_jsonl
+
+
+def mean_of(xs: Sequence[float]) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def arm_result(run_dir: Path) -> dict[str, Any]:
+    """The numbers of one finished run, from its own files. ``*_last``: mean over the last quarter of the steps.
+    ``train_s`` excludes the evaluations run during training; ``samples_per_s`` is trained trajectories per second
+    of it."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if not metrics or not evals:
+        raise ValueError(f"{run_dir} has no metrics or no evaluations")
+    batch = cfg["learner"]["batch_size"]
+    last = metrics[-max(1, len(metrics) // 4):]
+    by_step = {m["step"]: m for m in metrics}
+    curve, eval_s = [], 0.0
+    for e in evals:  # training time at each evaluation, evaluation time taken out
+        t = 0.0 if e["step"] == 0 else by_step.get(e["step"], metrics[-1])["elapsed_s"] - eval_s
+        curve.append({"step": e["step"], "train_s": t, "exact_match": e["all"]["exact_match"],
+                      "f1": e["all"]["f1"], "searches": e["all"]["searches_per_question"]})
+        if e["when"].startswith("step"):
+            eval_s += e.get("seconds", 0.0)
+    train_s = metrics[-1]["elapsed_s"] - eval_s
+    return {
+        "steps": len(metrics),
+        "em_start": curve[0]["exact_match"],
+        "em_end": curve[-1]["exact_match"],
+        "em_best": max(c["exact_match"] for c in curve),
+        "f1_end": curve[-1]["f1"],
+        "eval_searches_end": curve[-1]["searches"],
+        "reward_last": mean_of(m["batch_reward"] for m in last),
+        "rollout_em_last": mean_of(m["rollout_exact_match"] for m in last),
+        "response_length_last": mean_of(m.get("batch", {}).get("response_length", float("nan")) for m in last),
+        "searches_last": mean_of(m.get("batch", {}).get("searches", float("nan")) for m in last),
+        "train_s": train_s,
+        "samples_per_s": len(metrics) * batch / train_s if train_s > 0 else 0.0,
+        "episodes_per_s": metrics[-1]["episodes_per_s"],
+        "gen_tokens_per_s": metrics[-1]["gen_tokens_per_s"],
+        "staleness_mean": mean_of(m["learner"].get("staleness_mean", 0.0) for m in metrics),
+        "evicted": metrics[-1].get("buffer_evicted", {}),
+        "episodes": summary.get("episodes", 0),
+        "eval_curve": curve,
+        "steps_curve": [{"step": m["step"], "reward": m["batch_reward"],
+                         "response_length": m.get("batch", {}).get("response_length"),
+                         "searches": m.get("batch", {}).get("searches")} for m in metrics],
+    }
+
+
+def time_to_em(result: dict[str, Any], target: float) -> float | None:
+    """Training seconds until held-out exact match first reached ``target`` (None: never)."""
+    return next((c["train_s"] for c in result["eval_curve"] if c["exact_match"] >= target - 1e-9), None)
+
+
+COLUMNS = [
+    ("EM start", "em_start", "{:.3f}"), ("EM end", "em_end", "{:.3f}"), ("best EM", "em_best", "{:.3f}"),
+    ("reward (last 25%)", "reward_last", "{:.3f}"), ("response tokens", "response_length_last", "{:.0f}"),
+    ("searches/episode", "searches_last", "{:.2f}"), ("staleness", "staleness_mean", "{:.2f}"),
+    ("samples/s", "samples_per_s", "{:.2f}"), ("train s", "train_s", "{:.0f}"),
+]
+
+
+KINDS = {"all": "all questions", "world_single": "single-hop", "world_bridge": "bridge (two-hop)"}
+
+
+def mean_se(xs: Sequence[float]) -> dict[str, float]:
+    """Mean and standard error (sample standard deviation / sqrt(n); NaN for fewer than two values)."""
+    xs = list(xs)
+    se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
+    return {"mean": mean_of(xs), "se": se, "n": len(xs)}
+
+
+def pm(m: dict[str, float], fmt: str) -> str:
+    se = "n/a" if m["se"] != m["se"] else fmt.replace("+", "").format(m["se"])
+    return f"{fmt.format(m['mean'])} ± {se}"
