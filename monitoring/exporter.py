@@ -76,6 +76,11 @@ class Exporter:
         return True
 
     @property
+    def serving(self) -> bool:
+        """Whether the server thread is still answering (False once closed, or when its thread died)."""
+        return self._server is not None and self._thread.is_alive()
+
+    @property
     def target(self) -> str:
         """``host:port``, as a Prometheus target."""
         return f"{self.host}:{self.port}"
@@ -120,7 +125,11 @@ def start_exporter(registry: CollectorRegistry, port: int = 0, host: str = LOOPB
         raise ValueError(f"exporters bind loopback only, not {host!r}")
     counter = _ScrapeCounter()
     registry.register(counter)
-    server, thread = start_http_server(port, addr=LOOPBACK, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=LOOPBACK, registry=registry)
+    except BaseException:
+        registry.unregister(counter)
+        raise
     bound = server.server_address[1]
     return Exporter(registry, LOOPBACK, int(bound), server, thread, counter)
 
@@ -206,6 +215,8 @@ class RunMonitoring:
         self.driver, self.eval, self.learning = updaters["driver"], updaters["eval"], updaters["learning"]
         self.sd_file = Path(sd_file) if sd_file else self.folder / "targets.json"
         self.config_file = self.folder / "prometheus.yml"
+        self.job = job
+        self.exporter_restarts = 0
         self._targets: dict[str, list[str]] = {job: [exporter.target]}
         self._stop = threading.Event()
         self._pollers: list[threading.Thread] = []
@@ -246,6 +257,27 @@ class RunMonitoring:
         else:
             self._targets.pop(job, None)
         write_sd_file(self.sd_file, self._targets)
+
+    def heal(self) -> Optional[str]:
+        """If the exporter stopped serving (its thread died), serve the same registry again, on the same port when
+        it is free, else on a new one (the discovery file follows, so Prometheus does too); say so in one line.
+        None while it serves. The run never stops for its metrics."""
+        old = self.exporter
+        if old.serving or self._stop.is_set():
+            return None
+        old.close()
+        registry = old.registry
+        if old._scrapes is not None:
+            registry.unregister(old._scrapes)
+        try:
+            new = start_exporter(registry, old.port)
+        except OSError:
+            new = start_exporter(registry, 0)
+        self.exporter = new
+        self.exporter_restarts += 1
+        self.set_targets(self.job, [new.target])
+        return f"metrics exporter on {old.target} stopped serving; serving again on {new.target} " \
+               f"({self.exporter_restarts} restart(s))"
 
     def observe(self, *, rollout: Sequence[RolloutStats] = (), buffer: Optional[BufferStats] = None,
                 learner: Optional[LearnerStats] = None, publish: Optional[PublishStats] = None) -> None:

@@ -102,6 +102,28 @@ def test_run_monitoring_from_config_polls_and_serves(tmp_path):
         RunMonitoring.from_config(MonitoringConfig(host="0.0.0.0"), tmp_path / "x")
 
 
+def test_an_exporter_whose_thread_died_serves_again_and_discovery_follows(tmp_path):
+    """The exporter is a thread in the driver: if it dies (here its server is shut down under it, as an exception
+    in its loop would), the next step's ``heal()`` serves the same registry again and rewrites the discovery file;
+    the run goes on. Before, its metrics stopped for the rest of the run with no line anywhere."""
+    with RunMonitoring.start(tmp_path / "prometheus") as mon:
+        mon.observe(learner=LearnerStats(step=7, policy_loss=0.5))
+        assert mon.heal() is None  # serving: nothing to do
+        old = mon.exporter
+        old._server.shutdown()  # the server loop ends: the thread dies, the registry stays
+        old._thread.join(5)
+        assert not old.serving
+        line = mon.heal()
+        assert line is not None and "stopped serving" in line and mon.exporter_restarts == 1, line
+        assert mon.exporter is not old and mon.exporter.serving
+        text = fetch(mon.exporter.url)
+        assert f"{M.LEARNER_STEP} 7.0" in text  # the same registry, every value kept
+        sd = json.loads((tmp_path / "prometheus" / "targets.json").read_text())
+        assert sd == [{"targets": [mon.exporter.target], "labels": {"job": "driver"}}]
+        assert mon.heal() is None
+    assert not mon.exporter.serving  # closed with the run: not healed back
+
+
 @pytest.fixture()
 def prom(tmp_path):
     sd = tmp_path / "targets.json"
