@@ -77,9 +77,11 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -97,7 +99,7 @@ from async_agent_rl.algorithms import (
     place_outcome_rewards,
 )
 from async_agent_rl.batch import TrainBatch
-from async_agent_rl.config import Config, LearnerConfig
+from async_agent_rl.config import Config, LearnerConfig, is_loopback
 from async_agent_rl.lr_schedule import lr_factor
 from async_agent_rl.net import free_port
 from async_agent_rl.staleness import staleness
@@ -140,11 +142,32 @@ def _import_deepspeed(device: str):
 
 def _init_distributed(deepspeed, device: str) -> None:
     """Join (or create) the process group. Ranks come from RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
-    (``learner.actor`` sets them); a process without them is a single rank on a free loopback port."""
+    (``learner.actor`` sets them); a process without them is a single rank on a free loopback port.
+
+    The group is made here, not by DeepSpeed's ``env://`` rendezvous, whose store binds every interface whatever
+    MASTER_ADDR says: with a loopback MASTER_ADDR, rank 0's store listens on a socket bound to that address only
+    (no other machine can join or disturb the group). DeepSpeed then takes the group as it is."""
+    import torch.distributed as dist
+
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False)
+    backend = "gloo" if device == "cpu" else "nccl"
+    if not dist.is_initialized():
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        timeout = timedelta(minutes=30)  # torch's default for a gloo or NCCL group
+        if rank == 0 and is_loopback(host):
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+            store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                                  master_listen_fd=sock.detach())
+        else:
+            store = dist.TCPStore(host, port, world_size, rank == 0, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
 def _ds_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:

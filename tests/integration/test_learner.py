@@ -244,3 +244,23 @@ def test_a_batch_padded_with_filler_rows_makes_the_update_of_its_real_rows(tiny_
     before = make_learner(tiny_model_dir).state_dict_for_publish()
     assert max(float(abs(after[n] - before[n]).max()) for n in after) > 5e-4
     assert max(float(abs(after[n] - ref_after[n]).max()) for n in after) < 5e-5
+
+
+def test_the_learners_process_group_listens_on_loopback_only(tiny_model_dir):
+    """Rank 0's rendezvous store binds the loopback MASTER_ADDR. Before, DeepSpeed's ``env://`` rendezvous made a
+    store that listened on every interface, unauthenticated, for the whole run."""
+    import ipaddress
+    import os
+
+    import psutil
+
+    make_learner(tiny_model_dir)
+
+    def loopback(ip: str) -> bool:
+        addr = ipaddress.ip_address(ip)
+        return addr.is_loopback or (addr.version == 6 and addr.ipv4_mapped is not None and addr.ipv4_mapped.is_loopback)
+
+    mine = [c.laddr for c in psutil.net_connections(kind="inet") if c.pid == os.getpid()
+            and c.status == psutil.CONN_LISTEN]
+    assert int(os.environ["MASTER_PORT"]) in {a.port for a in mine}, mine  # the store is this process's
+    assert all(loopback(a.ip) for a in mine), f"listening beyond loopback: {mine}"

@@ -7,26 +7,23 @@ DeepSpeed learner) run the way a user does, through the command line in a subpro
   state, a checkpoint of step 1, and exit status 2; before, it waited for ever with a ``[wait]`` line a minute;
 - SIGTERM in the middle of a run stops it with a checkpoint and one closing ``[stopped]`` line, exit status 143,
   no traceback; before, Ray's handler ended it in SIGABRT with a C++ stack dump. Before the signal, every listening
-  socket of the run's processes (Ray, engines, learner, retriever) is on loopback but the learner's torch.distributed
-  store (documented as open).
+  socket of the run's processes (Ray, engines, learner, retriever) is on loopback, the learner's process-group store
+  included.
 
 About 4 minutes on 2 cores."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from async_agent_rl.config import load_config
-from tests.helpers import world_overrides
+from tests.helpers import Run, listening_sockets, world_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -75,59 +72,6 @@ STALLING_CLI = textwrap.dedent('''
     train.Trainer.train_step = train_step
     sys.exit(main(sys.argv[1:]))
 ''')
-
-
-def plain_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
-
-
-class Run:
-    """A training subprocess in a session of its own; its output collected line by line as it comes."""
-
-    def __init__(self, argv: list[str]):
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)  # fmt: skip
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self.seen: dict[str, float] = {}
-        self._readers = [threading.Thread(target=self._read, args=(s, d), daemon=True)
-                         for s, d in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
-        for t in self._readers:
-            t.start()
-
-    def _read(self, stream, dest: list[str]) -> None:
-        for line in stream:
-            dest.append(line.rstrip("\n"))
-
-    def wait_for(self, prefix: str, timeout_s: float) -> float:
-        """The time the first stdout line starting with ``prefix`` appeared."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(x.startswith(prefix) for x in self.out):
-                return time.monotonic()
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        self.kill()
-        pytest.fail(f"no line {prefix!r} within {timeout_s} s:\n" + self.text())
-
-    def finish(self, timeout_s: float) -> int:
-        try:
-            rc = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"still running {timeout_s} s later:\n" + self.text())
-        for t in self._readers:
-            t.join(timeout=30)
-        return rc
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def text(self) -> str:
-        return "\n".join(self.out[-60:]) + "\n--- stderr\n" + "\n".join(self.err[-60:])
 
 
 def config_file(tmp_path: Path, world_dir: Path, model_dir: Path, *extra: str) -> Path:
@@ -186,28 +130,5 @@ def test_sigterm_mid_run_stops_with_a_checkpoint_and_one_closing_line(tmp_path, 
     names = {name for _, _, name in listening}
     assert {"gcs_server", "raylet"} <= names, listening
     public = [s for s in listening if not (s[0].startswith(("127.", "::ffff:127.")) or s[0] == "::1")]
-    # still open, documented in docs/OPERATIONS.md ("Ray and the network"): learner rank 0's torch.distributed
-    # TCPStore (DeepSpeed's env:// rendezvous on MASTER_PORT), which torch binds to every interface
-    store = [s for s in public if s[2].startswith("ray::LearnerActor")]
-    assert len(store) <= 1 and not [s for s in public if s not in store], f"a training listens beyond loopback: {public}"
-
-
-def listening_sockets(root: int) -> list[tuple[str, int, str]]:
-    """(address, port, process name) of every listening TCP socket of ``root``'s process tree."""
-    import psutil
-
-    procs = {}
-    try:
-        top = psutil.Process(root)
-        procs = {p.pid: p for p in [top, *top.children(recursive=True)]}
-    except psutil.Error:
-        pass
-    out = []
-    for c in psutil.net_connections(kind="inet"):
-        if c.status == psutil.CONN_LISTEN and c.pid in procs:
-            try:
-                name = procs[c.pid].name()
-            except psutil.Error:
-                name = "?"
-            out.append((c.laddr.ip, c.laddr.port, name))
-    return sorted(out)
+    # learner rank 0's process-group store included (it listened on every interface before it bound MASTER_ADDR)
+    assert not public, f"a training listens beyond loopback: {public}"
