@@ -40,7 +40,6 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from transformers import AutoTokenizer
 
 from actors.rollout_actor import create_rollout_actors
-from actors.stack import retriever_url
 from async_agent_rl.config import Config, load_config
 from async_agent_rl.errors import InputError, error_line
 from async_agent_rl.stats import (
@@ -62,7 +61,7 @@ from learner.checkpoint import (
 from warm_start.sft import check_warm_start, run_sft, warm_start_inputs
 from driver.weight_sync import WeightsRefused, create_publisher
 from monitoring.exporter import RunMonitoring
-from retriever.server import exposure_warning
+from retriever.server import ServerProcess, exposure_warning, spawn_server
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +85,8 @@ PROGRESS_FLOOR_S = 600.0  # cluster.progress_timeout_s unset: max(this, PROGRESS
 PROGRESS_STEPS = 10
 REPORT_TIMEOUT_S = 10.0  # a component that does not answer a stall report's question within this is "not answering"
 SUPERVISE_WHILE_WAITING_S = 5.0  # while waiting for a batch, check the rollout actors this often
+DISK_FULL_BYTES = 64 << 20  # a checkpoint that failed with less free space than this failed for lack of space
+RETRIEVER_HEALTH_TIMEOUT_S = 10.0  # the run's retrieval server must answer GET /health within this, or is restarted
 SEARCH_ERROR_WARN_RATE = 0.5  # warn when more than this share of a step's searches failed (at least 4 of them)
 SEARCH_WARN_EVERY_S = 60.0
 DRIVER_STATE = "driver_state.json"
@@ -262,6 +263,8 @@ def _ray_init(cfg: Config) -> None:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
         _loopback_only()
+        if cfg.run.device != "cpu":  # one machine: NCCL's bootstrap and socket transport stay on loopback too
+            env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         # the actors' output (vLLM, DeepSpeed, Ray) stays in the session's log folder, linked from the run folder
         ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
                  log_to_driver=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
@@ -444,6 +447,8 @@ class Trainer:
         self.weights_ref = None  # the last published weights (a restarted actor gets them)
         self.restarts: dict[str, int] = {}
         self.publish_failures = 0  # weight publishes failed in a row
+        self.retriever: ServerProcess | None = None  # the retrieval server the run started (None: the user's URL)
+        self.mon: RunMonitoring | None = None
         self._ray_restarts: dict[int, int] = {}  # restarts of the actors this process made (a resume's start from 0)
         self.lost_episodes = 0
         self.totals = RunTotals()  # the run's rollout totals (run_totals), restarted actors and a resume included
@@ -556,7 +561,12 @@ class Trainer:
         _ray_init(cfg)
         stack.callback(ray.shutdown)
         _link_ray_logs(self.run_dir / "ray_logs")
-        self.url = stack.enter_context(retriever_url(cfg, log_file=self.run_dir / "retriever.log"))
+        if cfg.retriever.url:  # the user's server: theirs to keep up
+            self.url, self.retriever = cfg.retriever.url, None
+        else:  # a child process the run supervises (``_supervise_retriever``)
+            self.retriever = stack.enter_context(
+                spawn_server(cfg.data.corpus_file, cfg.retriever, log_file=self.run_dir / "retriever.log"))
+            self.url = self.retriever.url
         self.log.say(f"[start] retriever {self.url}")
         exposed = None if cfg.retriever.url else exposure_warning(cfg.retriever.host)  # a server the run started
         if exposed:
@@ -673,6 +683,9 @@ class Trainer:
         rollout = self.supervise()
         buffer = ray.get(self.buffer.stats.remote())
         if self.mon is not None:
+            healed = self.mon.heal()  # an exporter whose thread died serves again (not a reason to stop a run)
+            if healed:
+                self.log.say(f"[fault] {healed}")
             self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish)
         record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
         record["batch"] = metrics.batch
@@ -807,6 +820,7 @@ class Trainer:
         lost episode, or admission) is killed and restarted the same way, its cause on the console. Once
         ``cluster.max_actor_restarts`` restarts of an actor are used up, the next problem ends the run with
         ``RunFailed`` naming the actor and the cause (one ``error:`` line), instead of a run that waits forever."""
+        self._supervise_retriever()
         out = []
         for i, actor in enumerate(self.actors):
             kill = False
@@ -833,6 +847,21 @@ class Trainer:
             self._note_pushes(i, stats)
             out.append(stats)
         return out
+
+    def _supervise_retriever(self) -> None:
+        """The retrieval server the run started is restarted on its port (the actors' URL stays valid) when it
+        exited or stopped answering ``/health`` (hung, SIGSTOP); a restart that fails ends the run in one error line.
+        Searches made meanwhile failed and were counted (error observations), as in any outage."""
+        if self.retriever is None:
+            return
+        problem = self.retriever.healthy(RETRIEVER_HEALTH_TIMEOUT_S)
+        if problem is None:
+            return
+        try:
+            url = self.retriever.restart()
+        except Exception as e:  # noqa: BLE001 - reported as the run's end
+            raise RunFailed(f"retrieval server {problem} and could not be restarted: {_cause(e)}") from None
+        self.log.say(f"[fault] retrieval server {problem}; restarted on {url} ({self.retriever.restarts} restart(s))")
 
     def _note_pushes(self, i: int, stats: RolloutStats) -> None:
         prev = self._pushes.get(i)
@@ -949,12 +978,26 @@ class Trainer:
         final = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         tmp = final.with_name(f".{final.name}.tmp")  # written here, renamed into place once complete
         shutil.rmtree(tmp, ignore_errors=True)
-        self.learner.save_checkpoint(tmp)
-        ray.get(self.buffer.snapshot.remote(str(tmp / SNAPSHOT_FILE)))
-        state = {"step": self.step, "version": self.version, "restarts": self.restarts,
-                 "lost_episodes": self.lost_episodes, "totals": self.totals.run()}  # fmt: skip
-        (tmp / DRIVER_STATE).write_text(json.dumps(state))
-        path = commit_checkpoint(tmp, final)  # checksum manifest last, then the rename
+        try:
+            self.learner.save_checkpoint(tmp)
+            ray.get(self.buffer.snapshot.remote(str(tmp / SNAPSHOT_FILE)))
+            state = {"step": self.step, "version": self.version, "restarts": self.restarts,
+                     "lost_episodes": self.lost_episodes, "totals": self.totals.run()}  # fmt: skip
+            (tmp / DRIVER_STATE).write_text(json.dumps(state))
+            path = commit_checkpoint(tmp, final)  # checksum manifest last, then the rename
+        except (OSError, RuntimeError, ray.exceptions.RayError) as e:  # a full disk, a failing one, a dead learner
+            shutil.rmtree(tmp, ignore_errors=True)  # the partial copy goes; the complete ones stay as they are
+            if isinstance(e, ray.exceptions.RayActorError):
+                raise
+            try:
+                full = shutil.disk_usage(final.parent).free < DISK_FULL_BYTES
+            except OSError:
+                full = False
+            why = "no space left on the device" if full else _cause(e)
+            kept = sorted(p.name for p in final.parent.glob("step_*"))
+            raise RunFailed(f"the checkpoint of step {self.step} could not be written in {final.parent}: {why}; "
+                            f"{f'the last complete one is {kept[-1]}' if kept else 'no complete checkpoint'}") \
+                from None
         self.log.say(f"[checkpoint] {path}")
         return str(path)
 
@@ -1025,6 +1068,8 @@ class Trainer:
             "search_errors": self.history[-1]["search_errors_total"] if self.history else 0,
             "actor_restarts": dict(self.restarts),
             "lost_episodes": self.lost_episodes,
+            "exporter_restarts": self.mon.exporter_restarts if self.mon is not None else 0,
+            "retriever_restarts": self.retriever.restarts if self.retriever is not None else 0,
         }
         if start:
             s["exact_match_start"] = start["all"]["exact_match"]

@@ -32,12 +32,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
 from typing import Any, AsyncIterator, Callable
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -509,27 +511,35 @@ _LISTENING = re.compile(r"retriever listening on (http://\S+)")
 
 
 class ServerProcess:
-    """A ``retriever serve`` child process; ``url`` once it listens, ``stop()`` terminates it."""
+    """A ``retriever serve`` child process; ``url`` once it listens, ``stop()`` terminates it. A driver that owns it
+    can ask whether it still answers (``healthy``) and start it again on the same port (``restart``), so the
+    clients' URL stays valid."""
 
     def __init__(self, argv: list[str], timeout_s: float = 120.0, log_file: str | Path | None = None):
         """``log_file``: the child's stderr (its log lines) goes there instead of this process' stderr."""
         self.argv = argv
+        self.timeout_s = timeout_s
         self.log_file = Path(log_file) if log_file is not None else None
         self.error: str | None = None  # the child's own `error:` line, raised here instead of printed
+        self.restarts = 0
+        self._start(argv)
+
+    def _start(self, argv: list[str]) -> None:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: Queue[str | None] = Queue()
+        proc = self.proc
 
         def pump() -> None:  # keep draining stdout so the child never blocks on a full pipe
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
+            assert proc.stdout is not None
+            for line in proc.stdout:
                 lines.put(line)
             lines.put(None)
 
         def pump_stderr() -> None:  # the child's log goes on to ours, or to log_file
-            assert self.proc.stderr is not None
+            assert proc.stderr is not None
             out = self.log_file.open("a") if self.log_file is not None else sys.stderr
             try:
-                for line in self.proc.stderr:
+                for line in proc.stderr:
                     if line.startswith("error: "):
                         self.error = line[len("error: "):].strip()
                     else:
@@ -542,15 +552,16 @@ class ServerProcess:
         threading.Thread(target=pump, name="retriever-stdout", daemon=True).start()
         stderr_thread = threading.Thread(target=pump_stderr, name="retriever-stderr", daemon=True)
         stderr_thread.start()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.timeout_s
         while True:
             try:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except Empty:
                 self.stop()
-                raise TimeoutError(f"retrieval server did not start within {timeout_s} s: {' '.join(argv)}") from None
+                raise TimeoutError(f"retrieval server did not start within {self.timeout_s} s: {' '.join(argv)}") \
+                    from None
             if line is None:
-                code = self.proc.wait()
+                code = proc.wait()
                 stderr_thread.join(5)
                 if self.error is not None:
                     raise InputError(f"retrieval server: {self.error}")
@@ -561,13 +572,37 @@ class ServerProcess:
                 self.url = match.group(1)
                 return
 
+    def healthy(self, timeout_s: float = 10.0) -> str | None:
+        """None while the server runs and answers ``GET /health`` within ``timeout_s``; else why not (it exited,
+        with its code or signal; or it did not answer: hung, stopped)."""
+        code = self.proc.poll()
+        if code is not None:
+            return f"exited ({f'signal {-code}' if code < 0 else f'code {code}'})"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+        try:
+            with opener.open(self.url + "/health", timeout=timeout_s) as r:
+                return None if r.status == 200 else f"answered /health with HTTP {r.status}"
+        except (OSError, ValueError) as e:
+            return f"did not answer /health within {timeout_s:g} s ({type(e).__name__})"
+
+    def restart(self) -> str:
+        """Stop this server (killed if it does not stop) and start it again on the same port; its URL."""
+        self.stop(timeout_s=5.0)
+        port = urlsplit(self.url).port
+        argv = list(self.argv)
+        argv[argv.index("--port") + 1] = str(port)
+        self.error = None
+        self._start(argv)
+        self.restarts += 1
+        return self.url
+
     def stop(self, timeout_s: float = 10.0) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.proc.kill()  # also a stopped (SIGSTOP) one, which never handles the terminate
         return self.proc.wait()
 
     def __enter__(self) -> "ServerProcess":

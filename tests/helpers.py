@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 DENSE_DEPS = all(importlib.util.find_spec(m) for m in ("faiss", "sentence_transformers"))  # the [dense] extra
 
@@ -164,3 +171,81 @@ class EngineHost:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def plain_env() -> dict[str, str]:
+    """This environment without Ray's auth and address variables: a run in it starts a local cluster of its own."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+
+
+class Run:
+    """A training subprocess in a session of its own; its output collected line by line as it comes."""
+
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)  # fmt: skip
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.seen: dict[str, float] = {}
+        self._readers = [threading.Thread(target=self._read, args=(s, d), daemon=True)
+                         for s, d in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, stream, dest: list[str]) -> None:
+        for line in stream:
+            dest.append(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, timeout_s: float) -> float:
+        """The time the first stdout line starting with ``prefix`` appeared."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(x.startswith(prefix) for x in self.out):
+                return time.monotonic()
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.kill()
+        pytest.fail(f"no line {prefix!r} within {timeout_s} s:\n" + self.text())
+
+    def finish(self, timeout_s: float) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running {timeout_s} s later:\n" + self.text())
+        for t in self._readers:
+            t.join(timeout=30)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def text(self) -> str:
+        return "\n".join(self.out[-60:]) + "\n--- stderr\n" + "\n".join(self.err[-60:])
+
+
+def listening_sockets(root: int) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every listening TCP socket of ``root``'s process tree."""
+    import psutil
+
+    procs = {}
+    try:
+        top = psutil.Process(root)
+        procs = {p.pid: p for p in [top, *top.children(recursive=True)]}
+    except psutil.Error:
+        pass
+    out = []
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.pid in procs:
+            try:
+                name = procs[c.pid].name()
+            except psutil.Error:
+                name = "?"
+            out.append((c.laddr.ip, c.laddr.port, name))
+    return sorted(out)

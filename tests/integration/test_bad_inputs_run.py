@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from async_agent_rl.config import load_config
-from tests.helpers import leaked_weight_dirs, shm_weight_dirs, world_overrides
+from tests.helpers import leaked_weight_dirs, plain_env, shm_weight_dirs, world_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +39,6 @@ SMALL = [
     "rollout.group_size=4", "rollout.max_concurrent_episodes=16", "eval.num_questions=8", "eval.at_start=false",
     "monitoring.enabled=false", "sft.enabled=false", "buffer.group_filter=none",
 ]  # fmt: skip
-
-
-def plain_env() -> dict[str, str]:
-    """A fresh shell in the venv: no Ray authentication variables, no Ray address."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
 
 
 def closed_port() -> int:

@@ -346,6 +346,28 @@ def test_index_command_then_a_server_process_loads_it(tmp_path, corpus_file, pas
     assert proc.proc.returncode is not None
 
 
+def test_a_server_that_died_or_hangs_is_seen_and_restarted_on_its_port(corpus_file, passages):
+    """What the training driver's supervision relies on: ``healthy()`` names a killed server and a stopped (hung)
+    one, and ``restart()`` serves again on the same URL, so the rollout actors' URL stays valid."""
+    import os
+    import signal
+
+    with spawn_server(corpus_file, RetrieverConfig(topk=1)) as server:
+        url = server.url
+        assert server.healthy(2.0) is None
+        os.kill(server.proc.pid, signal.SIGSTOP)  # hung: the port accepts, nothing answers
+        why = server.healthy(1.0)
+        assert why is not None and "did not answer /health within 1 s" in why, why
+        assert server.restart() == url and server.restarts == 1 and server.healthy(2.0) is None
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
+        assert server.healthy(1.0) == "exited (signal 9)"
+        assert server.restart() == url and server.restarts == 2
+        status, raw = post(f"{url}/retrieve", {"queries": [title_query(passages[3])], "return_scores": True})
+        assert status == 200 and json.loads(raw)["result"][0][0]["document"]["id"] == passages[3].id
+    assert server.proc.returncode is not None
+
+
 def test_other_corpus_with_the_same_index_is_refused(tmp_path, corpus_file, passages, capsys):
     index_dir = tmp_path / "idx"
     BM25Backend.build(passages).save(index_dir)
