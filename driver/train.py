@@ -49,6 +49,8 @@ from async_agent_rl.weight_group import backend_for
 from buffer.actor import SNAPSHOT_FILE, create_buffer_actor
 from driver.plots import plot_run
 from driver.prepare import prepare
+from driver.reaper import reaper
+from driver.weight_sync import WeightsRefused, create_publisher
 from learner.actor import create_learner_group
 from learner.checkpoint import (
     CONFIG_FILE,
@@ -58,10 +60,9 @@ from learner.checkpoint import (
     config_differences,
     newest_intact,
 )
-from warm_start.sft import check_warm_start, run_sft, warm_start_inputs
-from driver.weight_sync import WeightsRefused, create_publisher
 from monitoring.exporter import RunMonitoring
 from retriever.server import ServerProcess, exposure_warning, spawn_server
+from warm_start.sft import check_warm_start, run_sft, warm_start_inputs
 
 log = logging.getLogger(__name__)
 
@@ -558,6 +559,7 @@ class Trainer:
 
     def start_components(self, stack: ExitStack) -> None:
         cfg = self.cfg
+        stack.enter_context(reaper())  # first in, last out: if this process is killed, nothing of the run outlives it
         _ray_init(cfg)
         stack.callback(ray.shutdown)
         _link_ray_logs(self.run_dir / "ray_logs")

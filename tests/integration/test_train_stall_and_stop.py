@@ -8,9 +8,10 @@ DeepSpeed learner) run the way a user does, through the command line in a subpro
 - SIGTERM in the middle of a run stops it with a checkpoint and one closing ``[stopped]`` line, exit status 143,
   no traceback; before, Ray's handler ended it in SIGABRT with a C++ stack dump. Before the signal, every listening
   socket of the run's processes (Ray, engines, learner, retriever) is on loopback, the learner's process-group store
-  included.
+  included;
+- SIGKILL of the driver leaves no process of the run and no /dev/shm file behind (its reaper).
 
-About 4 minutes on 2 cores."""
+About 6 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -132,3 +133,38 @@ def test_sigterm_mid_run_stops_with_a_checkpoint_and_one_closing_line(tmp_path, 
     public = [s for s in listening if not (s[0].startswith(("127.", "::ffff:127.")) or s[0] == "::1")]
     # learner rank 0's process-group store included (it listened on every interface before it bound MASTER_ADDR)
     assert not public, f"a training listens beyond loopback: {public}"
+
+
+def test_a_driver_killed_with_sigkill_leaves_nothing_of_the_run_behind(tmp_path, world_dir, tiny_model_dir):
+    """SIGKILL (the OOM killer, a lost machine session) gives the driver no chance to shut down: its reaper ends
+    every process of the run (Ray's GCS, raylet, agents, workers, the retriever) and removes their /dev/shm files.
+    Before, Ray's agents and joblib's semaphores were left for good."""
+    import psutil
+
+    from tests.helpers import leaked_weight_dirs, shm_weight_dirs
+
+    cfg = config_file(tmp_path, world_dir, tiny_model_dir, "learner.total_steps=50")
+    before = shm_weight_dirs()
+    run = Run([sys.executable, "-m", "driver.cli", "train", "--config", str(cfg)])
+    try:
+        run.wait_for("step  2/50", timeout_s=480)
+        top = psutil.Process(run.proc.pid)
+        procs = {p.pid: p for p in top.children(recursive=True) if "driver.reaper" not in " ".join(p.cmdline())}
+        assert any("raylet" in p.name() for p in procs.values()), [p.name() for p in procs.values()]
+        run.proc.send_signal(signal.SIGKILL)
+        run.proc.wait(10)
+        def alive(p: psutil.Process) -> bool:
+            try:
+                return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(alive(p) for p in procs.values()):
+            time.sleep(0.5)
+        left = [f"{p.pid} {p.name()}" for p in procs.values() if alive(p)]
+    finally:
+        run.kill()
+    assert not left, f"left 20 s after the driver was killed: {left}"
+    sems = [f for pid in procs for f in Path("/dev/shm").glob(f"sem.loky-{pid}-*")]
+    assert not sems and not leaked_weight_dirs(before, set(procs)), (sems, leaked_weight_dirs(before, set(procs)))

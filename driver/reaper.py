@@ -1,0 +1,122 @@
+"""A training's reaper: the processes a run started, and their files in ``/dev/shm``, do not outlive a driver that
+was killed (SIGKILL, the OOM killer, a lost terminal), which no handler of the driver's own can see.
+
+``python -m driver.reaper PID`` runs in a session of its own beside the driver ``PID`` (``with reaper():`` in the
+driver starts it). Every ``SNAPSHOT_S`` it records the driver's descendants (the local Ray cluster's GCS, raylet,
+agents and workers, the engines, the retrieval server). Its stdin is a pipe from the driver:
+
+- the driver writes ``done`` and closes it when it ended normally (it shut everything down itself): the reaper
+  only removes what dead processes left in ``/dev/shm`` and exits;
+- end of file without ``done`` means the driver is gone: every recorded process still alive (the same process: its
+  start time is checked, so a reused PID is never touched) is killed, then the files are removed.
+
+Files removed, of recorded processes that are dead: ``/dev/shm/aar_weights_<pid>_*`` (an engine's temporary copy
+of the weights) and ``/dev/shm/sem.loky-<pid>-*`` (joblib's semaphores, which a killed process never unlinks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+
+SNAPSHOT_S = 1.0
+SHM = Path("/dev/shm")
+
+
+def descendants(root: psutil.Process, me: int) -> dict[int, float]:
+    """pid -> start time of every descendant of ``root`` but this process."""
+    out = {}
+    for p in root.children(recursive=True):
+        if p.pid != me:
+            with contextlib.suppress(psutil.Error):
+                out[p.pid] = p.create_time()
+    return out
+
+
+def kill_recorded(known: dict[int, float]) -> list[int]:
+    """SIGKILL every recorded process that is still the one recorded (a stopped one too); their pids."""
+    killed = []
+    for pid, started in known.items():
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                p.kill()
+                killed.append(pid)
+    with contextlib.suppress(psutil.Error):
+        psutil.wait_procs([psutil.Process(pid) for pid in killed if psutil.pid_exists(pid)], timeout=5)
+    return killed
+
+
+def remove_files(pids: set[int], shm: Path = SHM) -> list[Path]:
+    """The ``/dev/shm`` entries of dead processes among ``pids``: weight copies and joblib semaphores."""
+    removed = []
+    for pid in pids:
+        if psutil.pid_exists(pid):
+            continue
+        for path in [*shm.glob(f"aar_weights_{pid}_*"), *shm.glob(f"sem.loky-{pid}-*")]:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                removed.append(path)
+    return removed
+
+
+def watch(parent: int, stdin=None) -> None:
+    stdin = stdin if stdin is not None else sys.stdin.buffer
+    me = os.getpid()
+    known: dict[int, float] = {}
+    try:
+        root = psutil.Process(parent)
+    except psutil.Error:
+        return
+    sel = selectors.DefaultSelector()
+    sel.register(stdin, selectors.EVENT_READ)
+    said = b""
+    while True:
+        with contextlib.suppress(psutil.Error):
+            known.update(descendants(root, me))
+        if sel.select(timeout=SNAPSHOT_S):
+            chunk = os.read(stdin.fileno(), 64)
+            if chunk:
+                said += chunk
+                continue
+            break  # end of file: the driver closed the pipe, or died
+    if b"done" not in said:
+        kill_recorded(known)
+    remove_files(set(known) | {parent})
+
+
+@contextlib.contextmanager
+def reaper() -> Iterator[subprocess.Popen]:
+    """The reaper of this process (see the module docstring); on a normal exit it is told ``done``."""
+    proc = subprocess.Popen([sys.executable, "-m", "driver.reaper", str(os.getpid())], stdin=subprocess.PIPE,
+                            start_new_session=True)  # its own session: a signal to the driver's group spares it
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.write(b"done\n")
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the driver; the reaper ends with it
+    watch(int(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
