@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits, is_loopback
@@ -401,6 +402,37 @@ def exposure_warning(host: str) -> str | None:
     return (f"the retrieval server listens on {host}, beyond loopback, without authentication: anyone who can reach "
             "that address can query the corpus and load the server (use 127.0.0.1 unless other machines must reach "
             "it, and then a firewall)")
+
+
+class MalformedRequestLog(logging.Filter):
+    """aiohttp logs each malformed request (a bad header, a line too long, a broken body length) at ERROR with a
+    traceback: a wrong client or a port scan floods the server's log. On the ``aiohttp.server`` logger this turns
+    such a record into one WARNING line without the traceback, and of repeats of the same kind logs the 1st, 10th,
+    100th and every 1000th, each with its count (``malformed_requests`` has them all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.malformed_requests: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        kind = type(exc).__name__
+        n = self.malformed_requests[kind] = self.malformed_requests.get(kind, 0) + 1
+        if n not in (1, 10, 100) and n % 1000:
+            return False
+        reason = str(getattr(exc, "message", "") or exc).strip().splitlines()
+        what = record.getMessage()
+        record.msg = "%s: refused (%s: %s); %d such request(s) so far"
+        record.args = (what, kind, reason[0][:200] if reason else "", n)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = None
+        return True
+
+
+MALFORMED = MalformedRequestLog()
+logging.getLogger("aiohttp.server").addFilter(MALFORMED)
 
 
 @asynccontextmanager

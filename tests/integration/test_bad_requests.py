@@ -83,6 +83,32 @@ def test_a_client_that_hangs_up_mid_body_is_not_a_backend_error(server, caplog):
     assert "Traceback" not in caplog.text and "retrieve failed" not in caplog.text
 
 
+def test_malformed_requests_are_a_few_log_lines_without_tracebacks(server, caplog):
+    """A flood of malformed HTTP (a bad Content-Length, a header line too long) gets a 400 each and, in the log,
+    one line for the first of a kind and counted repeats; before, aiohttp logged a traceback per request."""
+    srv, _ = server
+    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+    bad = [b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+           b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20_000 + b"\r\n\r\n"]
+    caplog.set_level("DEBUG", logger="aiohttp.server")
+    for payload in bad:
+        for _ in range(12):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(payload)
+                s.settimeout(5)
+                assert s.recv(100).split(b" ")[1] == b"400", payload[:40]
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert "Traceback" not in caplog.text and all(r.exc_info is None for r in records), caplog.text
+    # per kind: the 1st and the 10th of 12
+    assert sorted((r.getMessage().split("refused (")[1].split(":")[0], r.getMessage().rsplit("; ", 1)[1])
+                  for r in records) == [("BadHttpMessage", "1 such request(s) so far"),
+                                        ("BadHttpMessage", "10 such request(s) so far"),
+                                        ("LineTooLong", "1 such request(s) so far"),
+                                        ("LineTooLong", "10 such request(s) so far")], caplog.text
+    status, reply = post(f"{srv.url}/retrieve", json.dumps({"queries": ["word3"], "topk": 1}).encode())
+    assert status == 200  # still serving
+
+
 def test_serve_on_a_busy_port_is_one_error_line(tmp_path: Path):
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, PASSAGES)
