@@ -131,3 +131,51 @@ def plot_learning_bars(summary: dict[str, Any], path: Path) -> Path | None:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def plot_seeds(arms: Sequence[Any], rows: dict[str, list[dict[str, Any]]], path: Path, title: str) -> Path | None:
+    """``--seeds`` studies, from their per-seed rows: one panel per seed, held-out exact match against training
+    seconds (evaluations taken out) per arm, the seed's accuracy target dashed; a last panel with the realized
+    staleness of the trained-on trajectories per arm, over all seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = sorted({r["seed"] for rs in rows.values() for r in rs})
+    if not seeds:
+        return None
+    fig, axes = plt.subplots(1, len(seeds) + 1, figsize=(4.2 * (len(seeds) + 1), 3.8), squeeze=False)
+    named = [a for a in arms if a.name in rows]
+    for i, arm in enumerate(named):
+        for r in rows[arm.name]:
+            ax = axes[0][seeds.index(r["seed"])]
+            c = r["eval_curve"]
+            ax.plot([x["train_s"] for x in c], [x["exact_match"] for x in c], "o-", ms=3, color=f"C{i}",
+                    label=arm.label)
+    for ax, seed in zip(axes[0], seeds):
+        target = next((r["target_em"] for rs in rows.values() for r in rs if r["seed"] == seed), None)
+        if target is not None and target == target:
+            ax.axhline(target, ls="--", color="gray", lw=0.8)
+        ax.set_title(f"seed {seed}")
+        ax.set_xlabel("training seconds (evaluations excluded)")
+        ax.set_ylabel("held-out exact match (greedy)")
+    axes[0][0].legend(fontsize=7)
+    ax = axes[0][-1]
+    width = 0.8 / max(1, len(named))
+    for i, arm in enumerate(named):
+        hist: dict[int, int] = {}
+        for r in rows[arm.name]:
+            for k, v in r["staleness_histogram"].items():
+                hist[int(k)] = hist.get(int(k), 0) + v
+        total = sum(hist.values()) or 1
+        ks = sorted(hist)
+        ax.bar([k + i * width for k in ks], [hist[k] / total for k in ks], width, color=f"C{i}", label=arm.label)
+    ax.set_title("staleness of trained-on trajectories")
+    ax.set_xlabel("learner version - behaviour version")
+    ax.set_ylabel("share")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

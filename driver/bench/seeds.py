@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from driver.bench.arms import Arm, ArmRun, seed_overrides
+from driver.bench.plots import plot_seeds
 from driver.bench.results import mean_of, mean_se, pm, time_to_em
 from driver.bench.runner import run_arms
 from driver.plots import read_jsonl
@@ -181,6 +182,7 @@ def write_seeds_report(kind: str, arms: Sequence[Arm], runs: dict[int, list[ArmR
                        reference: Callable[[Arm], bool]) -> Path:
     rows = per_seed_rows(runs, reference)
     summary = summarize(rows)
+    plot = plot_seeds(arms, rows, out / f"{kind}_seeds.png", f"bench {kind}: held-out EM over training, per seed")
     lines = [f"# bench {kind} over seeds {', '.join(map(str, runs))}", "", "Command:", "", f"    {command}", "",
              "Each seed is its own world, tiny model, warm start (shared by the seed's arms) and training seeds. Means "
              "± standard error over seeds; held-out exact match is greedy on every held-out question. Time to "
@@ -200,6 +202,8 @@ def write_seeds_report(kind: str, arms: Sequence[Arm], runs: dict[int, list[ArmR
                          f"share of trajectories of >= 256 response tokens generated "
                          f"{s['long_share']['generated']['mean']:.3f}, trained on "
                          f"{s['long_share']['consumed']['mean']:.3f}")
+    if plot is not None:
+        lines += ["", f"![held-out EM over training seconds per seed; staleness of trained-on data]({plot.name})"]
     failed = [f"seed {seed} {r.arm.name}: {r.error}" for seed, rs in runs.items() for r in rs if r.error]
     if failed:
         lines += ["", "Failed arms:", "", *(f"- {f}" for f in failed)]

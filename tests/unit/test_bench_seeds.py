@@ -65,6 +65,7 @@ def test_staleness_recommendation_is_the_soonest_of_the_accurate_arms(tmp_path):
     report = write_seeds_report("staleness", arms, runs, tmp_path, "cmd", lambda arm: "ppo" not in arm.name)
     md = report.read_text()
     assert "Recommendation: eta=2" in md and "eta=8, standard PPO" in md and "| 0/1 |" in md
+    assert (tmp_path / "staleness_seeds.png").stat().st_size > 0 and "(staleness_seeds.png)" in md
 
 
 def test_seeds_must_be_distinct_and_non_negative():
