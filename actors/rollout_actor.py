@@ -8,6 +8,7 @@ from ``cluster.rollout_actor_cpus`` / ``rollout_actor_gpus`` where the actor is 
 
 from __future__ import annotations
 
+import os
 import asyncio
 import dataclasses
 import logging
@@ -179,6 +180,7 @@ class RolloutActor:
     def stats(self) -> RolloutStats:
         actor = dict(
             index=self.index,
+            pid=os.getpid(),
             version=getattr(getattr(self, "engine", None), "version", self.initial_version),
             search=self.search.stats() if hasattr(self, "search") else SearchStats(),
             weight_updates=list(self._updates[-5:]),

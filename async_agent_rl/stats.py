@@ -93,6 +93,7 @@ class RolloutStats(EpisodeCounters):
     version: int = 0  # policy version of the engine's weights
     elapsed_s: float = 0.0
     running: int = 0  # episodes in flight
+    pid: int = 0  # the actor's process (a driver on the same machine ends a hung one by it)
     search: SearchStats = field(default_factory=SearchStats)
     weight_updates: list[WeightUpdate] = field(default_factory=list)  # the latest few
 

@@ -450,6 +450,7 @@ class Trainer:
         self.publish_failures = 0  # weight publishes failed in a row
         self.retriever: ServerProcess | None = None  # the retrieval server the run started (None: the user's URL)
         self.mon: RunMonitoring | None = None
+        self._pids: dict[int, int] = {}  # each rollout actor's process, as it last reported
         self._ray_restarts: dict[int, int] = {}  # restarts of the actors this process made (a resume's start from 0)
         self.lost_episodes = 0
         self.totals = RunTotals()  # the run's rollout totals (run_totals), restarted actors and a resume included
@@ -842,6 +843,7 @@ class Trainer:
                                     f"cluster.max_actor_restarts={allowed})")
                 self.log.say(f"[fault] rollout actor {i}: {problem}; restarting it")
                 if kill:
+                    self._end_hung_process(i)
                     ray.kill(actor, no_restart=False)
                 self._restart_actor(i)
                 stats = ray.get(actor.stats.remote())
@@ -865,7 +867,19 @@ class Trainer:
             raise RunFailed(f"retrieval server {problem} and could not be restarted: {_cause(e)}") from None
         self.log.say(f"[fault] retrieval server {problem}; restarted on {url} ({self.retriever.restarts} restart(s))")
 
+    def _end_hung_process(self, i: int) -> None:
+        """SIGKILL rollout actor ``i``'s process when it runs on this machine (a local cluster): a stopped or hung
+        process never acts on ``ray.kill``'s request, and Ray would not restart it."""
+        pid = self._pids.get(i)
+        if pid and not (self.cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
     def _note_pushes(self, i: int, stats: RolloutStats) -> None:
+        if stats.pid:
+            self._pids[i] = stats.pid
         prev = self._pushes.get(i)
         if prev is None or prev[0] != stats.incarnation or stats.pushed > prev[1]:
             when = time.monotonic() if stats.pushed > 0 else (prev[2] if prev else None)
