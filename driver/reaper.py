@@ -5,10 +5,13 @@ was killed (SIGKILL, the OOM killer, a lost terminal), which no handler of the d
 driver starts it). Every ``SNAPSHOT_S`` it records the driver's descendants (the local Ray cluster's GCS, raylet,
 agents and workers, the engines, the retrieval server). Its stdin is a pipe from the driver:
 
-- the driver writes ``done`` and closes it when it ended normally (it shut everything down itself): the reaper
-  only removes what dead processes left in ``/dev/shm`` and exits;
-- end of file without ``done`` means the driver is gone: every recorded process still alive (the same process: its
-  start time is checked, so a reused PID is never touched) is killed, then the files are removed.
+- the driver writes ``done`` and closes it when it ended normally, after shutting everything down itself: what is
+  still alive ``GRACE_S`` later (a Ray worker that was stopped, a server that ignored its SIGTERM) is killed;
+- end of file without ``done`` means the driver is gone: every recorded process still alive is killed at once.
+
+Only processes started after the reaper are recorded (a driver inside a test process has older children that are
+not the run's), and a recorded process is killed only if it is still the same one (its start time is checked, so a
+reused PID is never touched). Then the files are removed.
 
 Files removed, of recorded processes that are dead: ``/dev/shm/aar_weights_<pid>_*`` (an engine's temporary copy
 of the weights) and ``/dev/shm/sem.loky-<pid>-*`` (joblib's semaphores, which a killed process never unlinks).
@@ -23,34 +26,46 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
 import psutil
 
 SNAPSHOT_S = 1.0
+GRACE_S = 5.0
 SHM = Path("/dev/shm")
 
 
-def descendants(root: psutil.Process, me: int) -> dict[int, float]:
-    """pid -> start time of every descendant of ``root`` but this process."""
+def descendants(root: psutil.Process, me: int, since: float) -> dict[int, float]:
+    """pid -> start time of every descendant of ``root`` started at ``since`` or later, but this process."""
     out = {}
     for p in root.children(recursive=True):
         if p.pid != me:
             with contextlib.suppress(psutil.Error):
-                out[p.pid] = p.create_time()
+                started = p.create_time()
+                if started >= since:
+                    out[p.pid] = started
+    return out
+
+
+def alive(known: dict[int, float]) -> list[int]:
+    out = []
+    for pid, started in known.items():
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
     return out
 
 
 def kill_recorded(known: dict[int, float]) -> list[int]:
     """SIGKILL every recorded process that is still the one recorded (a stopped one too); their pids."""
     killed = []
-    for pid, started in known.items():
+    for pid in alive(known):
         with contextlib.suppress(psutil.Error):
-            p = psutil.Process(pid)
-            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
-                p.kill()
-                killed.append(pid)
+            psutil.Process(pid).kill()
+            killed.append(pid)
     with contextlib.suppress(psutil.Error):
         psutil.wait_procs([psutil.Process(pid) for pid in killed if psutil.pid_exists(pid)], timeout=5)
     return killed
@@ -60,8 +75,9 @@ def remove_files(pids: set[int], shm: Path = SHM) -> list[Path]:
     """The ``/dev/shm`` entries of dead processes among ``pids``: weight copies and joblib semaphores."""
     removed = []
     for pid in pids:
-        if psutil.pid_exists(pid):
-            continue
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                continue  # alive (a zombie is dead: only its parent has not collected it yet)
         for path in [*shm.glob(f"aar_weights_{pid}_*"), *shm.glob(f"sem.loky-{pid}-*")]:
             with contextlib.suppress(OSError):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -72,6 +88,7 @@ def remove_files(pids: set[int], shm: Path = SHM) -> list[Path]:
 def watch(parent: int, stdin=None) -> None:
     stdin = stdin if stdin is not None else sys.stdin.buffer
     me = os.getpid()
+    since = psutil.Process(me).create_time()  # processes of the run start after the reaper
     known: dict[int, float] = {}
     try:
         root = psutil.Process(parent)
@@ -82,15 +99,18 @@ def watch(parent: int, stdin=None) -> None:
     said = b""
     while True:
         with contextlib.suppress(psutil.Error):
-            known.update(descendants(root, me))
+            known.update(descendants(root, me, since))
         if sel.select(timeout=SNAPSHOT_S):
             chunk = os.read(stdin.fileno(), 64)
             if chunk:
                 said += chunk
                 continue
             break  # end of file: the driver closed the pipe, or died
-    if b"done" not in said:
-        kill_recorded(known)
+    if b"done" in said:  # a normal end: what the driver shut down has a moment to exit
+        deadline = time.monotonic() + GRACE_S
+        while alive(known) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    kill_recorded(known)
     remove_files(set(known) | {parent})
 
 
@@ -107,7 +127,7 @@ def reaper() -> Iterator[subprocess.Popen]:
             proc.stdin.write(b"done\n")
             proc.stdin.close()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=GRACE_S + 15)
         except subprocess.TimeoutExpired:
             proc.kill()
 
