@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -326,6 +327,19 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    rc = 2
+    try:
+        rc = _run(args)
+    finally:
+        train = sys.modules.get("driver.train")
+        if train is not None and train.ray_shutdown_stuck:  # Ray's exit hook would wait on the same stuck call
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+    return rc
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except Exception as e:  # one line on stderr, never a traceback (-v: the traceback of an unexpected one)

@@ -97,9 +97,10 @@ class ProgressWatchdog:
     """When did a learner step last complete, and is that too long ago? (``cluster.progress_timeout_s``)
 
     The clock runs while the driver waits for a step (a batch from the buffer, then the learner's computation), from
-    the moment it asks for one; evaluations, publishes and checkpoints between steps are not counted. The limit is
-    the configured one, or with none configured ``max(PROGRESS_FLOOR_S, PROGRESS_STEPS x the slowest step so far)``;
-    0 turns the watchdog off."""
+    the moment it asks for one; evaluations, publishes and checkpoints between steps are not counted, and a rollout
+    actor's restart starts the clock again (the restart has its own limit, ``cluster.actor_setup_timeout_s``). The
+    limit is the configured one, or with none configured ``max(PROGRESS_FLOOR_S, PROGRESS_STEPS x the slowest step
+    so far)``; 0 turns the watchdog off."""
 
     def __init__(self, setting: float | None, clock: Callable[[], float] = time.monotonic):
         self.setting, self.clock = setting, clock
@@ -273,6 +274,28 @@ def _ray_init(cfg: Config) -> None:
 
 
 LOOPBACK = "127.0.0.1"
+RAY_SHUTDOWN_S = 60.0
+ray_shutdown_stuck = False  # set when ray.shutdown() did not return: the process then ends without waiting for it
+
+
+def _shutdown_ray() -> None:
+    """``ray.shutdown()``, bounded: a component left stopped or hung must not keep the run from ending with its
+    line. If it does not return within ``RAY_SHUTDOWN_S``, the run ends anyway (the CLI exits at once after its
+    last line) and the run's reaper ends what is left of the cluster."""
+    global ray_shutdown_stuck
+    done = threading.Event()
+
+    def shut() -> None:
+        try:
+            ray.shutdown()
+        finally:
+            done.set()
+
+    threading.Thread(target=shut, name="ray-shutdown", daemon=True).start()
+    if not done.wait(RAY_SHUTDOWN_S):
+        ray_shutdown_stuck = True
+        log.warning("ray.shutdown() did not return within %.0f s; the run's reaper ends the cluster's processes",
+                    RAY_SHUTDOWN_S)
 
 
 def _loopback_only() -> None:
@@ -562,7 +585,7 @@ class Trainer:
         cfg = self.cfg
         stack.enter_context(reaper())  # first in, last out: if this process is killed, nothing of the run outlives it
         _ray_init(cfg)
-        stack.callback(ray.shutdown)
+        stack.callback(_shutdown_ray)
         _link_ray_logs(self.run_dir / "ray_logs")
         if cfg.retriever.url:  # the user's server: theirs to keep up
             self.url, self.retriever = cfg.retriever.url, None
@@ -846,6 +869,7 @@ class Trainer:
                     self._end_hung_process(i)
                     ray.kill(actor, no_restart=False)
                 self._restart_actor(i)
+                self.watchdog.waiting()  # a restart is bounded by actor_setup_timeout_s; it is not a stall
                 stats = ray.get(actor.stats.remote())
             self.totals.report(f"actor{stats.index}", stats.incarnation, run_totals(stats))
             self._note_pushes(i, stats)

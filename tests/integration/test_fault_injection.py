@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
-WATCHDOG_S = 45  # cluster.progress_timeout_s: a stall ends the run within this (plus the time to report it)
+WATCHDOG_S = 60  # cluster.progress_timeout_s: a stall ends the run within this (plus the time to report it)
 SMALL = [
     "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=8",
     "rollout.group_size=4", "rollout.max_concurrent_episodes=16", "eval.at_start=false", "eval.at_end=false",
