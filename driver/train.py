@@ -474,6 +474,7 @@ class Trainer:
         self.retriever: ServerProcess | None = None  # the retrieval server the run started (None: the user's URL)
         self.mon: RunMonitoring | None = None
         self._pids: dict[int, int] = {}  # each rollout actor's process, as it last reported
+        self._local_cluster = False  # the run started its own Ray cluster on this machine
         self._ray_restarts: dict[int, int] = {}  # restarts of the actors this process made (a resume's start from 0)
         self.lost_episodes = 0
         self.totals = RunTotals()  # the run's rollout totals (run_totals), restarted actors and a resume included
@@ -584,6 +585,8 @@ class Trainer:
     def start_components(self, stack: ExitStack) -> None:
         cfg = self.cfg
         stack.enter_context(reaper())  # first in, last out: if this process is killed, nothing of the run outlives it
+        # (read before ray.init, which sets RAY_ADDRESS for this process' children)
+        self._local_cluster = not (cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS"))
         _ray_init(cfg)
         stack.callback(_shutdown_ray)
         _link_ray_logs(self.run_dir / "ray_logs")
@@ -895,7 +898,7 @@ class Trainer:
         """SIGKILL rollout actor ``i``'s process when it runs on this machine (a local cluster): a stopped or hung
         process never acts on ``ray.kill``'s request, and Ray would not restart it."""
         pid = self._pids.get(i)
-        if pid and not (self.cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")):
+        if pid and self._local_cluster:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
