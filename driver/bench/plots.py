@@ -170,7 +170,9 @@ def plot_seeds(arms: Sequence[Any], rows: dict[str, list[dict[str, Any]]], path:
                 hist[int(k)] = hist.get(int(k), 0) + v
         total = sum(hist.values()) or 1
         ks = sorted(hist)
-        ax.bar([k + i * width for k in ks], [hist[k] / total for k in ks], width, color=f"C{i}", label=arm.label)
+        offset = (i - (len(named) - 1) / 2) * width
+        ax.bar([k + offset for k in ks], [hist[k] / total for k in ks], width, color=f"C{i}", label=arm.label)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_title("staleness of trained-on trajectories")
     ax.set_xlabel("learner version - behaviour version")
     ax.set_ylabel("share")
