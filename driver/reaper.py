@@ -13,8 +13,9 @@ Only processes started after the reaper are recorded (a driver inside a test pro
 not the run's), and a recorded process is killed only if it is still the same one (its start time is checked, so a
 reused PID is never touched). Then the files are removed.
 
-Files removed, of recorded processes that are dead: ``/dev/shm/aar_weights_<pid>_*`` (an engine's temporary copy
-of the weights) and ``/dev/shm/sem.loky-<pid>-*`` (joblib's semaphores, which a killed process never unlinks).
+Files removed, of dead processes that were recorded or whose file appeared during the run (a process can start and
+die between two snapshots): ``/dev/shm/aar_weights_<pid>_*`` (an engine's temporary copy of the weights) and
+``/dev/shm/sem.loky-<pid>-*`` (joblib's semaphores, which a killed process never unlinks).
 """
 
 from __future__ import annotations
@@ -66,22 +67,37 @@ def kill_recorded(known: dict[int, float]) -> list[int]:
         with contextlib.suppress(psutil.Error):
             psutil.Process(pid).kill()
             killed.append(pid)
-    with contextlib.suppress(psutil.Error):
-        psutil.wait_procs([psutil.Process(pid) for pid in killed if psutil.pid_exists(pid)], timeout=5)
+    deadline = time.monotonic() + 5.0  # SIGKILL is not refused; a zombie counts as gone (only not collected yet)
+    while time.monotonic() < deadline and alive({pid: known[pid] for pid in killed}):
+        time.sleep(0.1)
     return killed
 
 
-def remove_files(pids: set[int], shm: Path = SHM) -> list[Path]:
-    """The ``/dev/shm`` entries of dead processes among ``pids``: weight copies and joblib semaphores."""
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # dead: only its parent has not collected it
+    except psutil.Error:
+        return True
+
+
+def remove_files(pids: set[int], since: float = float("inf"), shm: Path = SHM) -> list[Path]:
+    """The ``/dev/shm`` entries of dead processes: weight copies (``aar_weights_<pid>_*``) and joblib semaphores
+    (``sem.loky-<pid>-*``) of the recorded ``pids``, and of any process whose entry was made at ``since`` or later
+    (one started and killed between two snapshots)."""
     removed = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                continue  # alive (a zombie is dead: only its parent has not collected it yet)
-        for path in [*shm.glob(f"aar_weights_{pid}_*"), *shm.glob(f"sem.loky-{pid}-*")]:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-                removed.append(path)
+    for pattern, cut in (("aar_weights_*", len("aar_weights_")), ("sem.loky-*", len("sem.loky-"))):
+        for path in shm.glob(pattern):
+            owner = path.name[cut:].split("_" if pattern.startswith("aar") else "-", 1)[0]
+            if not owner.isdigit():
+                continue
+            try:
+                new = path.stat().st_ctime >= since
+            except OSError:
+                continue
+            if (int(owner) in pids or new) and _dead(int(owner)):
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                    removed.append(path)
     return removed
 
 
@@ -111,7 +127,7 @@ def watch(parent: int, stdin=None) -> None:
         while alive(known) and time.monotonic() < deadline:
             time.sleep(0.2)
     kill_recorded(known)
-    remove_files(set(known) | {parent})
+    remove_files(set(known) | {parent}, since)
 
 
 @contextlib.contextmanager

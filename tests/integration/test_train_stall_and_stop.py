@@ -159,12 +159,15 @@ def test_a_driver_killed_with_sigkill_leaves_nothing_of_the_run_behind(tmp_path,
             except psutil.Error:
                 return False
 
+        def files() -> list[Path]:
+            return [f for pid in procs for f in Path("/dev/shm").glob(f"sem.loky-{pid}-*")] + \
+                leaked_weight_dirs(before, set(procs))
+
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(alive(p) for p in procs.values()):
+        while time.monotonic() < deadline and (any(alive(p) for p in procs.values()) or files()):
             time.sleep(0.5)
         left = [f"{p.pid} {p.name()}" for p in procs.values() if alive(p)]
     finally:
         run.kill()
     assert not left, f"left 20 s after the driver was killed: {left}"
-    sems = [f for pid in procs for f in Path("/dev/shm").glob(f"sem.loky-{pid}-*")]
-    assert not sems and not leaked_weight_dirs(before, set(procs)), (sems, leaked_weight_dirs(before, set(procs)))
+    assert not files(), f"/dev/shm files of the run left 20 s after the driver was killed: {files()}"
