@@ -87,7 +87,8 @@ def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, 
     for arm in arms:
         arm_overrides = [*overrides, *arm.overrides]
         if base.sft.enabled:  # named first; made only when the arm is trained (below)
-            ws_overrides = arm_overrides if arm.own_warm_start else overrides
+            # a copy: arm_overrides grows below (model.path, run.name...), the warm start's inputs must not
+            ws_overrides = list(arm_overrides) if arm.own_warm_start else overrides
             if arm.own_warm_start:
                 ws = warm_start(config, arm_overrides, warm_starts, say, make=False)
             else:

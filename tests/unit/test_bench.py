@@ -136,3 +136,34 @@ def test_seed_overrides_give_each_seed_its_own_world_model_and_seeds(tmp_path):
     assert cfg.model.path == str(tmp_path / "worlds" / "seed_3" / "model")
     assert cfg.data.world.num_people == load_config("configs/quickstart.yaml").data.world.num_people
     assert a.own_warm_start and a.name == "seed0-rl"
+
+
+def test_an_arm_with_its_own_warm_start_trains_from_the_warm_start_it_was_named(tmp_path, monkeypatch):
+    """The warm start an arm is made from and the one its training loads must be one and the same folder: the
+    overrides naming it must not pick up the arm's own ``model.path``/``run.*`` settings on the way (they did, and
+    ``bench learning`` trained its RL arm from an empty folder filled with a fresh tiny model)."""
+    import driver.bench.runner as runner
+
+    calls: list[tuple[tuple[str, ...], bool]] = []
+
+    def fake_warm_start(config, overrides, root, say, make=True):
+        calls.append((tuple(overrides), make))
+        return root / str(abs(hash(tuple(overrides))))
+
+    trained: list[list[str]] = []
+
+    def fake_run_logged(cmd, log_file):
+        trained.append(cmd)
+        return 1, 0.0  # recorded as the arm's error; nothing more is read
+
+    monkeypatch.setattr(runner, "warm_start", fake_warm_start)
+    monkeypatch.setattr(runner, "run_logged", fake_run_logged)
+    arms = STUDIES["template"]
+    runs = runner.run_arms("configs/quickstart.yaml", [], arms, tmp_path / "out", steps=2, eval_every=1,
+                           say=lambda *_: None)
+    assert len(trained) == len(arms) and all(r.error for r in runs)
+    named = [o for o, make in calls if not make]
+    made = [o for o, make in calls if make]
+    assert named == made == [arm.overrides for arm in arms]
+    for run, cmd in zip(runs, trained):
+        assert f"model.path={run.warm_start}" in cmd
