@@ -615,6 +615,7 @@ class Trainer:
         )
         infos = ray.get([a.setup.remote() for a in self.actors])
         self.publisher = create_publisher(cfg.weight_sync.method, self.actors, self.learner,
+                                          actor_timeout_s=cfg.cluster.actor_timeout_s,
                                           backend=backend_for(cfg.run.device, cfg.weight_sync.backend),
                                           timeout_s=cfg.weight_sync.timeout_s)
         stack.callback(self._close_publisher)
@@ -639,9 +640,19 @@ class Trainer:
         self.log.say(f"[start] metrics on {mon.exporter.url}; prometheus --config.file={mon.config_file}")
         return mon
 
+    def _ask(self, ref: "ray.ObjectRef", what: str) -> Any:
+        """``ray.get(ref)`` bounded by ``cluster.actor_timeout_s``: a component that stopped (SIGSTOP, a hang) never
+        answers, and the driver must not wait for it forever; ``what`` names it in the run's one error line."""
+        limit = self.cfg.cluster.actor_timeout_s
+        try:
+            return ray.get(ref, timeout=limit)
+        except GetTimeoutError:
+            raise RunFailed(f"{what} did not answer within cluster.actor_timeout_s={limit:g} s (hung or stopped)") \
+                from None
+
     def _observe_components(self) -> None:
-        self.mon.observe(rollout=ray.get([a.stats.remote() for a in self.actors]),
-                         buffer=ray.get(self.buffer.stats.remote()))
+        self.mon.observe(rollout=ray.get([a.stats.remote() for a in self.actors], timeout=REPORT_TIMEOUT_S),
+                         buffer=ray.get(self.buffer.stats.remote(), timeout=REPORT_TIMEOUT_S))
 
     def _pad_id(self) -> int:
         tok = AutoTokenizer.from_pretrained(self.policy_path)
@@ -688,7 +699,7 @@ class Trainer:
                 raise self._stalled("waiting for a batch (idle)", healthy=True)
             if time.monotonic() > next_report:
                 next_report += 60.0
-                b = ray.get(self.buffer.stats.remote())
+                b = self._ask(self.buffer.stats.remote(), "the buffer actor")
                 self.log.say(f"[wait] no batch for {time.monotonic() - wait0:.0f} s: buffer size {b.size}, ready "
                              f"groups {b.ready_groups}, pending {b.pending_groups}, evicted {b.evicted}, "
                              f"admission {dataclasses.asdict(b.admission)}")
@@ -710,7 +721,7 @@ class Trainer:
         """Everything a step reports: actors supervised and their stats, the monitor, the learning signals and their
         warnings, one metrics.jsonl record and the console line."""
         rollout = self.supervise()
-        buffer = ray.get(self.buffer.stats.remote())
+        buffer = self._ask(self.buffer.stats.remote(), "the buffer actor")
         if self.mon is not None:
             healed = self.mon.heal()  # an exporter whose thread died serves again (not a reason to stop a run)
             if healed:
@@ -873,7 +884,7 @@ class Trainer:
                     ray.kill(actor, no_restart=False)
                 self._restart_actor(i)
                 self.watchdog.waiting()  # a restart is bounded by actor_setup_timeout_s; it is not a stall
-                stats = ray.get(actor.stats.remote())
+                stats = self._ask(actor.stats.remote(), f"rollout actor {i}, just restarted,")
             self.totals.report(f"actor{stats.index}", stats.incarnation, run_totals(stats))
             self._note_pushes(i, stats)
             out.append(stats)
@@ -914,7 +925,7 @@ class Trainer:
 
     def _restart_actor(self, i: int) -> None:
         actor, actor_id = self.actors[i], f"actor{i}"
-        lost = ray.get(self.buffer.actor_lost.remote(actor_id))
+        lost = self._ask(self.buffer.actor_lost.remote(actor_id), "the buffer actor")
         self.lost_episodes += lost
         self.restarts[actor_id] = self.restarts.get(actor_id, 0) + 1
         self._ray_restarts[i] = self._ray_restarts.get(i, 0) + 1
@@ -936,12 +947,12 @@ class Trainer:
             else:  # it stepped since (weight_sync.every_steps > 1): they are no published version, publish them
                 republish = True
         if weights is not None:
-            ray.get(actor.update_weights.remote(self.version, weights))
+            self._ask(actor.update_weights.remote(self.version, weights), f"rollout actor {i}, just restarted,")
         self.publisher.member_restarted()  # the collective path makes its group again before the next publish
         if republish:
             self.version, self.published_step = self.learner.bump_version(), self.step
             self.publish()  # every actor, the restarted one included
-        ray.get(actor.start.remote())
+        self._ask(actor.start.remote(), f"rollout actor {i}, just restarted,")
         self.log.say(f"[fault] rollout actor {i} restarted at version {self.version}; {lost} in-flight episodes lost")
         if self.mon is not None:
             self.mon.driver.update(self._driver_stats())
@@ -1013,7 +1024,7 @@ class Trainer:
         return rec
 
     def stop_rollouts(self) -> list[RolloutStats]:
-        return ray.get([a.stop.remote() for a in self.actors])
+        return self._ask([a.stop.remote() for a in self.actors], "a rollout actor asked to stop")
 
     def checkpoint(self) -> str:
         """Learner checkpoint (policy, DeepSpeed state, RNG), buffer snapshot and the driver's counters, written
@@ -1023,11 +1034,14 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             self.learner.save_checkpoint(tmp)
-            ray.get(self.buffer.snapshot.remote(str(tmp / SNAPSHOT_FILE)))
+            self._ask(self.buffer.snapshot.remote(str(tmp / SNAPSHOT_FILE)), "the buffer actor (snapshot)")
             state = {"step": self.step, "version": self.version, "restarts": self.restarts,
                      "lost_episodes": self.lost_episodes, "totals": self.totals.run()}  # fmt: skip
             (tmp / DRIVER_STATE).write_text(json.dumps(state))
             path = commit_checkpoint(tmp, final)  # checksum manifest last, then the rename
+        except RunFailed:  # a component that stopped answering: the partial copy goes too
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         except (OSError, RuntimeError, ray.exceptions.RayError) as e:  # a full disk, a failing one, a dead learner
             shutil.rmtree(tmp, ignore_errors=True)  # the partial copy goes; the complete ones stay as they are
             if isinstance(e, ray.exceptions.RayActorError):

@@ -61,13 +61,20 @@ def _reported_seconds(result: Any) -> float | None:
     return getattr(result, "seconds", None)
 
 
+class PublishTimeout(TimeoutError):
+    """Some actors did not apply a publish within the publisher's ``timeout_s`` (hung, stopped, or overloaded)."""
+
+
 class ObjectStorePublisher:
-    """Publish through Ray's object store to ``actors`` (handles with ``update_weights``; see module docstring)."""
+    """Publish through Ray's object store to ``actors`` (handles with ``update_weights``; see module docstring).
+    ``timeout_s``: how long every actor has to apply a publish (None: no limit); one that does not is named in a
+    ``PublishTimeout`` instead of holding the driver forever (a stopped actor never answers)."""
 
     method = "object_store"
 
-    def __init__(self, actors: Sequence[Any]):
+    def __init__(self, actors: Sequence[Any], timeout_s: float | None = None):
         self.actors = list(actors)
+        self.timeout_s = timeout_s
 
     def member_restarted(self) -> None:
         """Nothing to do: every publish reaches whoever holds a handle."""
@@ -83,7 +90,14 @@ class ObjectStorePublisher:
         else:
             ref, size = ray.put(dict(state)), _nbytes(state)
         put_s = time.perf_counter() - t0
-        results = ray.get([a.update_weights.remote(version, ref) for a in self.actors])
+        calls = [a.update_weights.remote(version, ref) for a in self.actors]
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=self.timeout_s, fetch_local=False)
+        if len(ready) < len(calls):
+            done = set(ready)
+            silent = [i for i, c in enumerate(calls) if c not in done]
+            raise PublishTimeout(f"rollout actor(s) {silent} did not apply version {version} within "
+                                 f"{self.timeout_s:g} s")
+        results = ray.get(calls)
         reported = [s for s in map(_reported_seconds, results) if s is not None]
         return PublishStats(version, self.method, time.perf_counter() - t0, put_s, size, len(self.actors), reported)
 
@@ -156,11 +170,13 @@ class CollectivePublisher:
             self.learner.close_weight_group()
 
 
-def create_publisher(method: str, actors: Sequence[Any], learner: Any = None, **collective: Any) -> WeightPublisher:
-    """``weight_sync.method`` -> publisher. ``learner`` and ``collective`` (``CollectivePublisher``'s keyword
-    arguments): the collective path's."""
+def create_publisher(method: str, actors: Sequence[Any], learner: Any = None, actor_timeout_s: float | None = None,
+                     **collective: Any) -> WeightPublisher:
+    """``weight_sync.method`` -> publisher. ``actor_timeout_s``: the object-store path's limit for every actor to
+    apply a publish. ``learner`` and ``collective`` (``CollectivePublisher``'s keyword arguments): the collective
+    path's (its ``timeout_s`` bounds a publish)."""
     if method == "object_store":
-        return ObjectStorePublisher(actors)  # the learner and the collective options play no part
+        return ObjectStorePublisher(actors, actor_timeout_s)  # the learner and the collective options play no part
     if method == "collective":
         if learner is None:
             raise ValueError("weight_sync.method collective needs the learner group (its rank 0 sends)")

@@ -65,7 +65,8 @@ def supervised(cfg, tmp_path: Path, actor_cls: type, max_restarts: int = 1, quie
     trainer.buffer = create_buffer_actor(cfg, pad_id=0)
     remote_cls = ray.remote(num_cpus=0, max_restarts=max_restarts)(actor_cls)
     trainer.actors = [remote_cls.remote(0, str(tmp_path / "incarnated"))]
-    trainer.publisher = create_publisher("object_store", trainer.actors)  # a restarted actor is reported to it
+    trainer.publisher = create_publisher("object_store", trainer.actors,  # a restarted actor is reported to it
+                                         actor_timeout_s=cfg.cluster.actor_timeout_s)
     return trainer
 
 
@@ -230,3 +231,62 @@ def test_a_restarted_actor_that_is_not_set_up_in_time_ends_the_run_in_one_error_
     assert time.monotonic() - t0 < 40
     line = error_line(err.value)
     assert "cluster.actor_setup_timeout_s=5" in line and "\n" not in line
+
+
+class HangsOnWeights(SlowFirstIncarnation):
+    """Its first incarnation never finishes applying a publish (a process stopped by SIGSTOP, or hung, after it was
+    set up); what it is asked after that waits behind it. The restarted one answers."""
+
+    def update_weights(self, version, weights) -> dict:
+        if self.first:
+            time.sleep(120)
+        return super().update_weights(version, weights)
+
+
+def test_a_publish_to_a_hung_actor_fails_in_time_and_supervision_restarts_it(tmp_path, capsys):
+    """Issue 22, seen in CI: a rollout actor stopped while the buffer still held a batch; the learner stepped and
+    the publish waited forever for the stopped actor (no limit, and the watchdog does not count publishes)."""
+    cfg = load_config(None, ["cluster.actor_timeout_s=4", "rollout.group_size=2", "learner.batch_size=4",
+                             "learner.mini_batch_size=4", "learner.micro_batch_size=4"])
+    trainer = supervised(cfg, tmp_path, HangsOnWeights, quiet=False)
+    first_pid = ray.get(trainer.actors[0].setup.remote())["pid"]
+    trainer.version, trainer.weights_ref = 1, ray.put({"w": 1})
+    t0 = time.monotonic()
+    assert trainer.publish() is None and trainer.publish_failures == 1
+    assert time.monotonic() - t0 < 15
+    assert "did not apply version 1 within 4 s" in capsys.readouterr().out
+    stats = trainer.supervise()[0]
+    assert time.monotonic() - t0 < 60
+    assert stats.pid != first_pid and stats.setups == 1 and stats.began and trainer.restarts == {"actor0": 1}
+
+
+@ray.remote(num_cpus=0)
+class StoppedBuffer:
+    """A buffer actor stand-in that stopped (SIGSTOP, a hang): it never answers."""
+
+    def stats(self):
+        time.sleep(120)
+
+    def snapshot(self, path):
+        time.sleep(120)
+
+
+class SavesCheckpoint:
+    def save_checkpoint(self, folder) -> None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "policy.bin").write_bytes(b"w")
+
+
+def test_a_buffer_that_stopped_answering_ends_a_checkpoint_in_one_error_line_and_no_partial_copy(tmp_path):
+    """Issue 22: the driver asked the buffer with no limit between steps (stats, snapshot, lost episodes), so a
+    stopped buffer could hold the run past its watchdog."""
+    cfg = load_config(None, ["cluster.actor_timeout_s=3"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
+    trainer.mon, trainer.buffer, trainer.learner, trainer.step = None, StoppedBuffer.remote(), SavesCheckpoint(), 2
+    t0 = time.monotonic()
+    with pytest.raises(RunFailed) as err:
+        trainer.checkpoint()
+    assert time.monotonic() - t0 < 15
+    assert error_line(err.value) == ("error: the buffer actor (snapshot) did not answer within "
+                                     "cluster.actor_timeout_s=3 s (hung or stopped)")
+    assert not list((tmp_path / "run" / "checkpoints").iterdir()), "no partial checkpoint is left"
