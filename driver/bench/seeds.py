@@ -61,11 +61,17 @@ def extra_numbers(run: ArmRun) -> dict[str, Any]:
     hist = {int(k): v for k, v in last.get("buffer_staleness_histogram", {}).items()}
     lengths = last.get("buffer_length_tokens", {})
 
+    generated, evicted = lengths.get("generated", {}), lengths.get("evicted", {})
+    kept = {k: v - evicted.get(k, 0) for k, v in generated.items()}  # not evicted (by the group filter, staleness)
+    stages = {"generated": generated, "kept": kept, "consumed": lengths.get("consumed", {})}
+    # kept but not trained on: what the buffer still held (or pending groups) when the run ended
+    stages["left"] = {k: v - stages["consumed"].get(k, 0) for k, v in kept.items()}
+
     def share_long(stage: str) -> float:  # share of trajectories of 256 response tokens or more
-        counts = lengths.get(stage, {})
+        counts = stages[stage]
         total = sum(counts.values())
         return sum(v for k, v in counts.items() if not k.startswith("<") and int(k.split("-")[0]) >= 256) / total \
-            if total else float("nan")
+            if total > 0 else float("nan")
 
     return {
         "staleness_histogram": hist,
@@ -73,8 +79,8 @@ def extra_numbers(run: ArmRun) -> dict[str, Any]:
         "iw_mean": mean_of(x.get("iw_mean", float("nan")) for x in learner if x.get("iw_mean") is not None),
         "iw_max": max((x["iw_max"] for x in learner if x.get("iw_max") is not None), default=float("nan")),
         "iw_capped_frac": mean_of(x["iw_capped_frac"] for x in learner if x.get("iw_capped_frac") is not None),
-        "long_share_generated": share_long("generated"),
-        "long_share_consumed": share_long("consumed"),
+        **{f"long_share_{k}": share_long(k) for k in stages},
+        "left_at_end": sum(stages["left"].values()),
         "evicted_stale": last.get("buffer_evicted", {}).get("stale", 0),
     }
 
@@ -112,7 +118,9 @@ def summarize(rows: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
         s["staleness_max"] = max((r["staleness_max"] for r in rs), default=0)
         s["iw_max"] = max((r["iw_max"] for r in rs), default=float("nan"))
         s["evicted_stale"] = sum(r["evicted_stale"] for r in rs)
-        s["long_share"] = {k: mean_se([r[f"long_share_{k}"] for r in rs]) for k in ("generated", "consumed")}
+        s["long_share"] = {k: mean_se([r[f"long_share_{k}"] for r in rs if f"long_share_{k}" in r])
+                           for k in ("generated", "kept", "consumed", "left")}
+        s["left_at_end"] = mean_se([r.get("left_at_end", float("nan")) for r in rs])
         s["seeds"] = [r["seed"] for r in rs]
         out[arm] = s
     return out
@@ -199,9 +207,11 @@ def write_seeds_report(kind: str, arms: Sequence[Arm], runs: dict[int, list[ArmR
         if arm.name in summary:
             s = summary[arm.name]
             lines.append(f"- {arm.label}: {s['staleness_histogram']}; max importance weight {s['iw_max']:.2f}; "
-                         f"share of trajectories of >= 256 response tokens generated "
-                         f"{s['long_share']['generated']['mean']:.3f}, trained on "
-                         f"{s['long_share']['consumed']['mean']:.3f}")
+                         f"share of trajectories of >= 256 response tokens: generated "
+                         f"{s['long_share']['generated']['mean']:.3f}, kept by the group filter "
+                         f"{s['long_share']['kept']['mean']:.3f}, trained on "
+                         f"{s['long_share']['consumed']['mean']:.3f}, left in the buffer at the end "
+                         f"{s['long_share']['left']['mean']:.3f} (of {s['left_at_end']['mean']:.0f} trajectories)")
     if plot is not None:
         lines += ["", f"![held-out EM over training seconds per seed; staleness of trained-on data]({plot.name})"]
     failed = [f"seed {seed} {r.arm.name}: {r.error}" for seed, rs in runs.items() for r in rs if r.error]
