@@ -81,8 +81,10 @@ KINDS = {"all": "all questions", "world_single": "single-hop", "world_bridge": "
 
 
 def mean_se(xs: Sequence[float]) -> dict[str, float]:
-    """Mean and standard error (sample standard deviation / sqrt(n); NaN for fewer than two values)."""
-    xs = list(xs)
+    """Mean and standard error (sample standard deviation / sqrt(n); NaN for fewer than two values) over the values
+    that are numbers: a NaN (a statistic an arm does not have, e.g. importance weights under the standard PPO loss)
+    is left out, and ``n`` counts what is left."""
+    xs = [x for x in xs if x == x]
     se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
     return {"mean": mean_of(xs), "se": se, "n": len(xs)}
 

@@ -167,3 +167,11 @@ def test_an_arm_with_its_own_warm_start_trains_from_the_warm_start_it_was_named(
     assert named == made == [arm.overrides for arm in arms]
     for run, cmd in zip(runs, trained):
         assert f"model.path={run.warm_start}" in cmd
+
+
+def test_mean_se_leaves_nan_out_instead_of_failing():
+    """The staleness report over 3 seeds crashed (statistics.stdev on NaN): standard PPO has no importance weights."""
+    nan = float("nan")
+    assert mean_se([1.0, nan, 3.0]) == {"mean": 2.0, "se": 1.0, "n": 2}
+    none = mean_se([nan, nan, nan])
+    assert math.isnan(none["mean"]) and math.isnan(none["se"]) and none["n"] == 0
