@@ -67,6 +67,11 @@ def extra_numbers(run: ArmRun) -> dict[str, Any]:
     # kept but not trained on: what the buffer still held (or pending groups) when the run ended
     stages["left"] = {k: v - stages["consumed"].get(k, 0) for k, v in kept.items()}
 
+    # generated over the last quarter of the steps (the counts are cumulative): what the end's backlog was made of
+    quarter = metrics[-max(1, len(metrics) // 4) - 1].get("buffer_length_tokens", {}).get("generated", {}) \
+        if len(metrics) > 1 else {}
+    stages["generated_late"] = {k: v - quarter.get(k, 0) for k, v in generated.items()}
+
     def share_long(stage: str) -> float:  # share of trajectories of 256 response tokens or more
         counts = stages[stage]
         total = sum(counts.values())
@@ -119,7 +124,7 @@ def summarize(rows: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
         s["iw_max"] = max((r["iw_max"] for r in rs), default=float("nan"))
         s["evicted_stale"] = sum(r["evicted_stale"] for r in rs)
         s["long_share"] = {k: mean_se([r[f"long_share_{k}"] for r in rs if f"long_share_{k}" in r])
-                           for k in ("generated", "kept", "consumed", "left")}
+                           for k in ("generated", "generated_late", "kept", "consumed", "left")}
         s["left_at_end"] = mean_se([r.get("left_at_end", float("nan")) for r in rs])
         s["seeds"] = [r["seed"] for r in rs]
         out[arm] = s
@@ -208,7 +213,8 @@ def write_seeds_report(kind: str, arms: Sequence[Arm], runs: dict[int, list[ArmR
             s = summary[arm.name]
             lines.append(f"- {arm.label}: {s['staleness_histogram']}; max importance weight {s['iw_max']:.2f}; "
                          f"share of trajectories of >= 256 response tokens: generated "
-                         f"{s['long_share']['generated']['mean']:.3f}, kept by the group filter "
+                         f"{s['long_share']['generated']['mean']:.3f} (in the last quarter of the steps "
+                         f"{s['long_share']['generated_late']['mean']:.3f}), kept by the group filter "
                          f"{s['long_share']['kept']['mean']:.3f}, trained on "
                          f"{s['long_share']['consumed']['mean']:.3f}, left in the buffer at the end "
                          f"{s['long_share']['left']['mean']:.3f} (of {s['left_at_end']['mean']:.0f} trajectories)")
