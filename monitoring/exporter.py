@@ -305,10 +305,11 @@ class RunMonitoring:
                 try:
                     fn()
                     failures = 0
-                except Exception:  # monitoring must never take the run down
+                except Exception as e:  # monitoring must never take the run down
                     failures += 1
-                    if failures in (1, 10) or failures % 100 == 0:
-                        logger.exception("metrics poll failed (%d in a row)", failures)
+                    if failures in (1, 10) or failures % 100 == 0:  # one line (a component restarting is expected)
+                        cause = (str(e).strip().splitlines() or [""])[0]
+                        logger.warning("metrics poll failed (%d in a row): %s: %s", failures, type(e).__name__, cause)
 
         t = threading.Thread(target=loop, name="metrics-poll", daemon=True)
         t.start()

@@ -499,3 +499,31 @@ def test_close_waits_for_a_final_scrape_only_when_prometheus_is_scraping(tmp_pat
     th.join(timeout=10)
     last_step = [ln for ln in seen[-1].splitlines() if ln.startswith(M.LEARNER_STEP + " ")]
     assert last_step and float(last_step[0].split()[1]) == 7.0, seen[-1][:2000]
+
+
+def test_a_failing_poll_logs_one_line_without_a_traceback(tmp_path, caplog):
+    """A component restarting (a rollout actor killed, a stats call timing out) made the poll thread print a whole
+    traceback on the console; the fault-injection suite forbids any. One line, with the cause; not every time."""
+    import logging
+    import time
+
+    from monitoring.exporter import RunMonitoring
+
+    calls = []
+
+    def fails() -> None:
+        calls.append(1)
+        raise TimeoutError("Get timed out: some object(s) not ready.\nmore detail")
+
+    mon = RunMonitoring.start(tmp_path / "m")
+    with caplog.at_level(logging.INFO, logger="monitoring.exporter"):
+        mon.poll(fails, every_s=0.01)
+        deadline = time.monotonic() + 10
+        while len(calls) < 12 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        mon.close()
+    records = [r for r in caplog.records if "metrics poll failed" in r.getMessage()]
+    assert [r.getMessage() for r in records][:2] == [
+        "metrics poll failed (1 in a row): TimeoutError: Get timed out: some object(s) not ready.",
+        "metrics poll failed (10 in a row): TimeoutError: Get timed out: some object(s) not ready."]
+    assert all(r.exc_info is None and r.levelno == logging.WARNING for r in records)
