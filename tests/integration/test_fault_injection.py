@@ -1,16 +1,18 @@
 """Fault injection on a real short training, run as a user runs it (the command line, in a process session of its
 own; real Ray, vLLM CPU engine, buffer actor, DeepSpeed learner, retrieval server): each component is killed
-(SIGKILL) and, separately, stopped (SIGSTOP, a hang) after the step-2 checkpoint. The run must either recover
-(finish every step, the recovery counted in ``summary.json``) or end with exactly one ``error:`` line within the
-watchdog's limit, and in both cases: no traceback on the console, the step-2 checkpoint intact, no process of the
-run and no temporary weights left behind.
+(SIGKILL) and, separately, stopped (SIGSTOP, a hang). The run must either recover (finish every step, the recovery
+counted in ``summary.json``) or end with exactly one ``error:`` line within the watchdog's limit, and in both cases:
+no traceback on the console, the last checkpoint intact, no process of the run and no temporary weights left behind.
 
-``FAULTS`` is the table docs/OPERATIONS.md ("What each fault gets") and benchmarks/RESULTS.md report. The metrics
-exporter is a thread of the driver, so it is "killed" by shutting its server down under it; a stopped thread is not
-a fault a process can have. A full disk is a tmpfs mounted over the run's ``checkpoints/`` and filled after the
-step-2 checkpoint (skipped where mounting is not allowed).
+``FAULTS`` is the table docs/OPERATIONS.md ("What each fault gets") and benchmarks/RESULTS.md report. The faults a
+run recovers from are injected one after another into one training, each after the first checkpoint that follows
+the previous recovery (a run per fault cost CI about 8 minutes more); each fault that ends a run gets a training of
+its own, injected after the step-2 checkpoint. The metrics exporter is a thread of the driver, so it is "killed" by
+shutting its server down under it; a stopped thread is not a fault a process can have. A full disk is a tmpfs
+mounted over the run's ``checkpoints/`` and filled after the step-2 checkpoint (skipped where mounting is not
+allowed).
 
-About 20 minutes on 2 cores."""
+About 12 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ SMALL = [
     f"cluster.progress_timeout_s={WATCHDOG_S}", "cluster.actor_timeout_s=20", "monitoring.enabled=false",
 ]  # fmt: skip
 
-# the command line; with AAR_TEST_EXPORTER_DIES set, the driver's metrics exporter dies after the step-2 checkpoint
+# the command line; with AAR_TEST_EXPORTER_DIES=N set, the driver's metrics exporter dies after step N
 FAULT_CLI = textwrap.dedent('''
     import os, sys
     import driver.train as train
@@ -51,9 +53,10 @@ FAULT_CLI = textwrap.dedent('''
 
     if os.environ.get("AAR_TEST_EXPORTER_DIES"):
         real_train_step = train.Trainer.train_step
+        when = int(os.environ["AAR_TEST_EXPORTER_DIES"])
 
         def train_step(self, t0):
-            if self.step == 2 and self.mon is not None and self.mon.exporter.serving:
+            if self.step == when and self.mon is not None and self.mon.exporter.serving:
                 self.mon.exporter._server.shutdown()  # its serving thread ends, as an exception in it would
                 print("[test] the exporter's thread died", flush=True)
             return real_train_step(self, t0)
@@ -100,16 +103,6 @@ def describe(p: psutil.Process) -> str:
         return ""
 
 
-def find(pid: int, target: str, timeout_s: float = 60) -> psutil.Process:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        hits = [p for p in tree(pid) if target in describe(p)]
-        if hits:
-            return hits[0]
-        time.sleep(0.5)
-    raise AssertionError(f"no process {target!r} in the run's tree: {[describe(p) for p in tree(pid)]}")
-
-
 def fill(folder: Path) -> None:
     """Write a filler file into ``folder`` until its file system is full."""
     with open(folder / "filler", "wb") as f:
@@ -121,15 +114,120 @@ def fill(folder: Path) -> None:
             pass
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(FAULTS))
-def test_each_fault_is_recovered_or_ends_the_run_in_one_error_line(name, tmp_path, world_dir, tiny_model_dir):
-    fault = FAULTS[name]
-    run_dir = tmp_path / "run"
-    extra = ["monitoring.enabled=true"] if fault.how == "exporter" else []
+def start(tmp_path: Path, world_dir: Path, tiny_model_dir: Path, *extra: str, exporter_dies_at: int = 0) -> Run:
     cfg = load_config(REPO / "configs/quickstart.yaml", [
         *SMALL, f"run.output_dir={tmp_path}", "run.name=run", *world_overrides(world_dir, tiny_model_dir), *extra])
     cfg_file = cfg.save(tmp_path / "cfg.yaml")
+    env_extra = {"AAR_TEST_EXPORTER_DIES": str(exporter_dies_at)} if exporter_dies_at else {}
+    os.environ.update(env_extra)
+    try:
+        return Run([sys.executable, "-c", FAULT_CLI, "train", "--config", str(cfg_file)])
+    finally:
+        for k in env_extra:
+            os.environ.pop(k)
+
+
+def inject(run: Run, fault: Fault, mounted: Path | None = None, spare: set[int] = frozenset()) -> psutil.Process | None:
+    """The fault, on the first process of the run's tree that matches (``spare``: pids not to pick, a killed one)."""
+    if fault.how in ("kill", "stop"):
+        deadline = time.monotonic() + 60
+        while True:
+            hits = [p for p in tree(run.proc.pid) if fault.target in describe(p) and p.pid not in spare]
+            if hits or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert hits, f"no process {fault.target!r} in the run's tree: {[describe(p) for p in tree(run.proc.pid)]}"
+        hits[0].send_signal(signal.SIGKILL if fault.how == "kill" else signal.SIGSTOP)
+        return hits[0]
+    if fault.how == "disk-full":
+        fill(mounted)
+    return None
+
+
+def count_lines(run: Run, prefix: str) -> int:
+    return sum(x.startswith(prefix) for x in run.out)
+
+
+def wait_for_count(run: Run, prefix: str, n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while count_lines(run, prefix) < n:
+        if run.proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {n}th line {prefix!r} within {timeout_s} s:\n" + run.text())
+        time.sleep(0.2)
+
+
+def left_behind(seen: dict[int, str]) -> list[str]:
+    return [f"{pid} {cmd}" for pid, cmd in seen.items() if psutil.pid_exists(pid)
+            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def last_checkpoint(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+
+
+RECOVERED = [name for name, f in FAULTS.items() if f.outcome == "recovered" and f.how != "exporter"]
+# the exporter's death is injected by the driver itself (FAULT_CLI), after step 2
+assert {n for n, f in FAULTS.items() if f.outcome == "recovered"} - set(RECOVERED) == {"metrics exporter, died"}
+RECOVERED_STEPS = 14
+# what each recovery prints, counted: the k-th fault of a kind is recovered when its k-th line is out
+RECOVERY_LINE = {"ray::RolloutActor": "[fault] rollout actor 0 restarted", "-m retriever serve": "[fault] retrieval server"}
+
+
+@pytest.mark.timeout(900)
+def test_every_recoverable_fault_is_recovered_one_after_another_in_one_run(tmp_path, world_dir, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    shm_before = shm_weight_dirs()
+    run = start(tmp_path, world_dir, tiny_model_dir, "monitoring.enabled=true", f"learner.total_steps={RECOVERED_STEPS}",
+                "cluster.max_actor_restarts=3", exporter_dies_at=2)
+    seen: dict[int, str] = {}
+    stopped: list[psutil.Process] = []
+    injected: list[str] = []
+    try:
+        run.wait_for(f"[checkpoint] {run_dir / 'checkpoints' / 'step_000002'}", timeout_s=420)
+        for name in RECOVERED:
+            fault = FAULTS[name]
+            seen |= {p.pid: describe(p) for p in tree(run.proc.pid)}
+            before = count_lines(run, RECOVERY_LINE[fault.target])
+            target = inject(run, fault, spare={p.pid for p in stopped})
+            injected.append(name)
+            if fault.how == "stop":
+                stopped.append(target)
+            wait_for_count(run, RECOVERY_LINE[fault.target], before + 1, timeout_s=WATCHDOG_S + 180)
+            if name != RECOVERED[-1]:  # the next fault after the next checkpoint: progress since this recovery
+                wait_for_count(run, "[checkpoint] ", count_lines(run, "[checkpoint] ") + 1, timeout_s=WATCHDOG_S + 180)
+        seen |= {p.pid: describe(p) for p in tree(run.proc.pid)}
+        rc = run.finish(timeout_s=WATCHDOG_S + 240)
+        verify_manifest(last_checkpoint(run_dir))
+        time.sleep(15)  # the run's processes have a few seconds to go
+        left = left_behind(seen)
+    finally:
+        run.kill()
+        for target in stopped:  # the test's own clean-up, after the check above
+            if target.is_running():
+                target.send_signal(signal.SIGCONT)
+                target.kill()
+    console = run.text()
+    assert injected == RECOVERED, console
+    assert "Traceback" not in "\n".join(run.out + run.err), console
+    assert rc == 0 and not [x for x in run.err + run.out if x.startswith("error:")], console
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == RECOVERED_STEPS, summary
+    assert summary["actor_restarts"] == {"actor0": 2}, summary  # killed, then stopped
+    assert summary["retriever_restarts"] == 2, summary  # killed, then stopped
+    assert summary["exporter_restarts"] >= 1, summary
+    assert any(x.startswith("[fault] ") and "exporter" in x for x in run.out), console
+    assert not left, "processes of the run left 15 s after it ended:\n" + "\n".join(left)
+    assert not leaked_weight_dirs(shm_before, set(seen)), "temporary weights left in /dev/shm"
+
+
+ENDED = [name for name, f in FAULTS.items() if f.outcome == "ended"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ENDED)
+def test_a_fault_that_ends_the_run_ends_it_in_one_error_line(name, tmp_path, world_dir, tiny_model_dir):
+    fault = FAULTS[name]
+    run_dir = tmp_path / "run"
     mounted = None
     if fault.how == "disk-full":
         mounted = run_dir / "checkpoints"
@@ -138,32 +236,21 @@ def test_each_fault_is_recovered_or_ends_the_run_in_one_error_line(name, tmp_pat
                            text=True)
         if r.returncode != 0:
             pytest.skip(f"cannot mount a small tmpfs here to fill ({r.stderr.strip()})")
-    env_extra = {"AAR_TEST_EXPORTER_DIES": "1"} if fault.how == "exporter" else {}
     shm_before = shm_weight_dirs()
-    os.environ.update(env_extra)
-    try:
-        run = Run([sys.executable, "-c", FAULT_CLI, "train", "--config", str(cfg_file)])
-    finally:
-        for k in env_extra:
-            os.environ.pop(k)
+    run = start(tmp_path, world_dir, tiny_model_dir)
     target = None
     seen: dict[int, str] = {}
     try:
         run.wait_for(f"[checkpoint] {run_dir / 'checkpoints' / 'step_000002'}", timeout_s=420)
         seen = {p.pid: describe(p) for p in tree(run.proc.pid)}
         injected = time.monotonic()
-        if fault.how in ("kill", "stop"):
-            target = find(run.proc.pid, fault.target)
-            target.send_signal(signal.SIGKILL if fault.how == "kill" else signal.SIGSTOP)
-        elif fault.how == "disk-full":
-            fill(mounted)
+        target = inject(run, fault, mounted)
         rc = run.finish(timeout_s=WATCHDOG_S + 240)
         ended = time.monotonic() - injected
         verify_manifest(run_dir / "checkpoints" / "step_000002")  # the last good checkpoint is intact
         partial = [d.name for d in (run_dir / "checkpoints").iterdir() if d.name.endswith(".tmp")]
         time.sleep(15)  # the run's processes have a few seconds to go
-        left = [f"{pid} {cmd}" for pid, cmd in seen.items() if psutil.pid_exists(pid)
-                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        left = left_behind(seen)
     finally:
         run.kill()
         if target is not None and target.is_running():  # the test's own clean-up, after the check above
@@ -174,16 +261,8 @@ def test_each_fault_is_recovered_or_ends_the_run_in_one_error_line(name, tmp_pat
     console = run.text()
     assert "Traceback" not in "\n".join(run.out + run.err), console
     errors = [x for x in run.err + run.out if x.startswith("error:")]
-    if fault.outcome == "recovered":
-        assert rc == 0 and not errors, console
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["steps"] == STEPS, summary
-        count = summary[fault.counted]
-        assert (sum(count.values()) if isinstance(count, dict) else count) >= 1, (fault.counted, count)
-        assert any(x.startswith("[fault] ") for x in run.out), console
-    else:
-        assert rc not in (0, None) and len(errors) == 1, console
-        assert ended < WATCHDOG_S + 120, f"ended {ended:.0f} s after the fault (watchdog {WATCHDOG_S} s)"
+    assert rc not in (0, None) and len(errors) == 1, console
+    assert ended < WATCHDOG_S + 120, f"ended {ended:.0f} s after the fault (watchdog {WATCHDOG_S} s)"
     assert not partial, f"a partial checkpoint was left: {partial}"
     assert not left, "processes of the run left 15 s after it ended:\n" + "\n".join(left)
     assert not leaked_weight_dirs(shm_before, set(seen)), "temporary weights left in /dev/shm"

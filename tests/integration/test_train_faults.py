@@ -38,7 +38,8 @@ def small_config(tmp_path: Path, world_dir: Path, model_dir: Path, *extra: str):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("eta", [2, 0])
+# eta 0 only: the quickstart's eta with an actor killed is the fault-injection suite's first fault
+@pytest.mark.parametrize("eta", [0])
 def test_killed_rollout_actor_is_restarted_and_training_finishes(tmp_path, world_dir, tiny_model_dir, eta):
     """Killed mid-run with episodes in flight: they are counted lost (their groups go short or are dropped) and the
     run finishes. At eta 0 this used to hang: short groups could never fill an exact batch and admission had no
