@@ -45,7 +45,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.seeds is not None:
         return _cmd_bench_seeds(args, kind, arms, base, out, command)
     runs = run_arms(args.config, list(args.overrides), arms, out, args.steps, args.eval_every, args.force,
-                    warm_starts=Path(args.warm_starts) if args.warm_starts else None)
+                    warm_starts=Path(args.warm_starts) if args.warm_starts else None, report_only=args.report_only)
     extra = ""
     if kind == "sync":
         extra, numbers = sync_summary(runs)
@@ -80,7 +80,8 @@ def _cmd_bench_seeds(args: argparse.Namespace, kind: str, arms: list[Arm], base:
     reference = {"sync": lambda a: True, "staleness": lambda a: "ppo" not in a.name,
                  "ablations": lambda a: True}[kind]
     runs = bench_seeds.run_seeds(args.config, overrides, arms, out, seeds, args.steps, args.eval_every, args.force,
-                                 Path(args.warm_starts) if args.warm_starts else None)
+                                 Path(args.warm_starts) if args.warm_starts else None,
+                                 report_only=args.report_only)
     report = bench_seeds.write_seeds_report(kind, arms, runs, out, command, reference)
     return finish(report, [r for rs in runs.values() for r in rs])
 
@@ -109,6 +110,8 @@ def register(subparsers: Any) -> None:
         p.add_argument("--force", action="store_true", help="rerun arms whose finished run folder is present")
         p.add_argument("--warm-starts", help="folder of the shared SFT warm starts (default OUT/../warm_start)")
         if kind != "learning":
+            p.add_argument("--report-only", action="store_true", help="train nothing: report the finished arms "
+                           "(those not run yet are listed as such), e.g. while a long study is unfinished")
             p.add_argument("--seeds", help="comma-separated seeds: every arm on each seed's own world, tiny model and "
                            "warm start, reported as mean and standard error (default: the config's world, once); "
                            "with it, bench staleness adds a standard-PPO arm at the largest eta")

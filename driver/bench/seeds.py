@@ -41,14 +41,15 @@ def parse_seeds(text: str) -> list[int]:
 
 def run_seeds(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, seeds: Sequence[int],
               steps: int | None, eval_every: int | None, force: bool, warm_starts: Path | None,
-              say: Callable[[str], None] = print) -> dict[int, list[ArmRun]]:
+              say: Callable[[str], None] = print, report_only: bool = False) -> dict[int, list[ArmRun]]:
     """Every arm for every seed, one after the other (a seed's arms share its warm start)."""
     worlds = out.parent / "worlds"
     runs = {}
     for s in seeds:
         say(f"[seed {s}]")
         runs[s] = run_arms(config, [*overrides, *seed_overrides(s, worlds / f"seed_{s}")], arms, out / f"seed{s}",
-                           steps, eval_every, force, say=say, warm_starts=warm_starts or out.parent / "warm_start")
+                           steps, eval_every, force, say=say, warm_starts=warm_starts or out.parent / "warm_start",
+                           report_only=report_only)
     return runs
 
 

@@ -175,3 +175,20 @@ def test_mean_se_leaves_nan_out_instead_of_failing():
     assert mean_se([1.0, nan, 3.0]) == {"mean": 2.0, "se": 1.0, "n": 2}
     none = mean_se([nan, nan, nan])
     assert math.isnan(none["mean"]) and math.isnan(none["se"]) and none["n"] == 0
+
+
+def test_report_only_trains_nothing_and_reports_the_unfinished_arms_as_not_run(tmp_path, monkeypatch):
+    import driver.bench.runner as runner
+
+    def must_not_train(cmd, log_file):
+        raise AssertionError(f"trained with --report-only: {cmd}")
+
+    monkeypatch.setattr(runner, "run_logged", must_not_train)
+    monkeypatch.setattr(runner, "warm_start", lambda config, overrides, root, say, make=True: root / "ws")
+    arms = staleness_arms([0, 2])
+    runs = runner.run_arms("configs/quickstart.yaml", [], arms, tmp_path / "out", steps=2, eval_every=1,
+                           say=lambda *_: None, report_only=True)
+    assert [r.error for r in runs] == [runner.NOT_RUN] * 2
+    report = tmp_path / "report.md"
+    report.write_text("r\n")
+    assert runner.finish(report, runs) == 0
