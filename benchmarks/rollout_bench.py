@@ -194,6 +194,7 @@ async def main(args) -> dict:
 
     from actors.engine import VLLMEngine
     from async_agent_rl.episode import EpisodeRunner
+    from async_agent_rl.prompts import STOP_STRINGS
     from actors.search_client import SearchClient
     from async_agent_rl.config import load_config
     from async_agent_rl.data.search_r1 import read_qa_parquet
@@ -263,6 +264,22 @@ async def main(args) -> dict:
                         block["overhead_ratio"] = round(a["generated_tokens_per_s"] / (raw_tokens / raw_s), 2)
                     print(json.dumps(block), flush=True)
                     blocks.append(block)
+                if args.stop_ab:  # one-token stop strings as stop token ids (actors/engine.py) against strings only
+                    ab = {"ids": ([], 0.0), "strings": ([], 0.0)}
+                    for r in range(args.rounds):
+                        part = examples[r * chunk : (r + 1) * chunk]
+                        for arm in ("ids", "strings") if r % 2 == 0 else ("strings", "ids"):
+                            await fresh_cache(engine)
+                            engine._stop_ids = {} if arm == "ids" else {tuple(STOP_STRINGS): []}
+                            trajs, secs = await run_async(runner("none"), part, args.concurrency, 1)
+                            ab[arm] = (ab[arm][0] + trajs, ab[arm][1] + secs)
+                    engine._stop_ids = {}
+                    i, s_ = (summarize(f"asynchronous, stops {k}", *ab[k]) for k in ("ids", "strings"))
+                    block = {"stop_token_ids_ab": True, "arms": [i, s_],
+                             "ids_over_strings_episodes_per_s": round(i["episodes_per_s"] / s_["episodes_per_s"], 2),
+                             "load_average_1min": round(os.getloadavg()[0], 1)}
+                    print(json.dumps(block), flush=True)
+                    blocks.append(block)
                 for c in args.scaling:  # the raw engine's tokens/s against how many sequences share a step
                     n = max(c * 4, 32)  # the same first turns for every concurrency
                     tokens, secs = await run_raw_turns(engine, async_trajs[:n], c)
@@ -295,6 +312,9 @@ if __name__ == "__main__":
     p.add_argument("--latency", type=lambda s: [x for x in s.split(",") if x], default=list(LATENCY_MODELS),
                    help=f"search-latency models, one block of both arms each (comma-separated: {', '.join(LATENCY_MODELS)})")
     p.add_argument("--latency-seed", type=int, default=0, help="seed of every arm's latency RNG")
+    p.add_argument("--stop-ab", action="store_true",
+                   help="also compare, at zero latency, the asynchronous arm with one-token stop strings sent as stop "
+                        "token ids (as training runs it) against the strings alone")
     a = p.parse_args()
     if unknown := [x for x in a.latency if x not in LATENCY_MODELS]:
         p.error(f"unknown --latency model(s) {unknown}; known: {', '.join(LATENCY_MODELS)}")

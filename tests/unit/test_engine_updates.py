@@ -60,3 +60,13 @@ def test_tokens_without_version_spans_get_the_version_the_request_started_at():
     out = asyncio.run(engine.generate(TurnRequest(prompt_ids=[1, 2], max_tokens=2)))
     assert out.versions == [3, 3] and engine.version == 4
     assert np.allclose(out.logprobs, [-0.5, -0.25])
+
+
+def test_only_stop_strings_spelled_as_one_token_become_stop_token_ids(tok, qwen_tokenizer):
+    from actors.engine import one_token_ids
+
+    ids = one_token_ids(tok, ["</search>", "</answer>", "no such stop"])
+    assert ids == [tok.convert_tokens_to_ids("</search>"), tok.convert_tokens_to_ids("</answer>")]
+    # the real Qwen tokenizer spells the tags in several tokens: the strings alone stop them (in vLLM's front end)
+    assert one_token_ids(qwen_tokenizer, ["</search>", "</answer>"]) == []
+    assert one_token_ids(qwen_tokenizer, ["<|im_end|>"]) == [qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")]
