@@ -170,45 +170,37 @@ async def test_transformers_engine_runs_the_same_workflow(tiny_model_dir, server
     assert np.max(np.abs(recompute_logprobs(model, t)[mask] - np.array(t.behavior_logprobs)[mask])) < LOGPROB_TOL
 
 
-async def test_one_token_stop_strings_stop_in_the_engine_core_and_turns_end_at_the_first_stop(
-    searching_model_dir, server, questions
-):
-    """The stop strings that are one token are also sent as stop token ids (the engine core then ends the turn at
-    the step that samples it, not after the front end's abort). What a turn returns is what the strings alone
-    define: it ends at the first stop string, the string included, with that string as the stop reason."""
-    from async_agent_rl.prompts import STOP_STRINGS
+async def test_a_one_token_stop_string_stops_in_the_engine_core_with_the_strings_outputs(engine, hf):
+    """A stop string that is one token is also sent as a stop token id (the engine core ends the turn at the step
+    that samples it, not after the front end's abort); the turn is what the string alone gives: the same tokens,
+    text and stop reason, ending at the string's first occurrence."""
+    from actors.engine import one_token_ids
 
-    cfg = load_config(None, [f"model.path={searching_model_dir}", "model.max_model_len=1024", "rollout.max_turns=3",
-                             "rollout.max_tokens_per_turn=48", "rollout.max_response_length=256",
-                             "rollout.max_obs_length=96", "data.prompt_template=minimal"])
-    tok = AutoTokenizer.from_pretrained(searching_model_dir)
-    stop_ids = [tok.convert_tokens_to_ids(x) for x in STOP_STRINGS]
-    eng = await VLLMEngine.create(str(searching_model_dir), cfg)
-    sent, turns = [], []
-    llm_generate, generate = eng.llm.generate, eng.generate
+    _, tok = hf
+    free = await engine.generate(TurnRequest(prompt_ids=[9, 10, 11, 12], max_tokens=40, temperature=0.0, stop=()))
+    # the first token of the greedy continuation whose text is one token and not in the text before it: the stop
+    j, stop = next(((j, tok.decode([t])) for j, t in enumerate(free.token_ids)
+                    if one_token_ids(tok, [tok.decode([t])]) == [t] and tok.decode([t])
+                    and tok.decode([t]) not in tok.decode(free.token_ids[:j])), (None, None))
+    assert j is not None, f"no usable stop token in {free.token_ids}: {tok.convert_ids_to_tokens(free.token_ids)}"
+    req = TurnRequest(prompt_ids=[9, 10, 11, 12], max_tokens=40, temperature=0.0, stop=(stop,))
+    sent = []
+    llm_generate = engine.llm.generate
 
-    def recording_llm_generate(prompt, params, request_id):
+    def recording(prompt, params, request_id):
         sent.append(list(params.stop_token_ids or []))
         return llm_generate(prompt, params, request_id)
 
-    async def recording_generate(req):
-        out = await generate(req)
-        turns.append(out)
-        return out
-
-    eng.llm.generate, eng.generate = recording_llm_generate, recording_generate
+    engine.llm.generate = recording
     try:
-        async with SearchClient(server.url, cfg.retriever.client) as sc:
-            runner = EpisodeRunner(eng, sc, tok, EpisodeSettings.from_config(cfg))
-            await asyncio.gather(*(runner.run(q, group_id="g") for q in questions * 2))
+        with_id = await engine.generate(req)
+        engine._stop_ids[(stop,)] = []  # the string alone
+        string_only = await engine.generate(req)
     finally:
-        await eng.close()
-    assert sent and all(s == stop_ids for s in sent)
-    stopped = [t for t in turns if t.finish_reason == "stop"]
-    assert len(stopped) >= 3, "the searching model should end some turns on </search> or </answer>"
-    for t in stopped:
-        assert t.stop_reason in STOP_STRINGS and t.text.endswith(t.stop_reason)
-        first = min(t.text.find(x) + len(x) for x in STOP_STRINGS if x in t.text)
-        assert first == len(t.text), "a turn goes on past its first stop string"
-        assert len(t.logprobs) == len(t.versions) == len(t.token_ids)
-    assert any(t.token_ids[-1] == stop_ids[STOP_STRINGS.index(t.stop_reason)] for t in stopped)
+        engine.llm.generate = llm_generate
+        engine._stop_ids.clear()
+    assert sent == [[free.token_ids[j]], []]
+    for out in (with_id, string_only):
+        assert out.token_ids == free.token_ids[: j + 1] and out.text.endswith(stop)
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert with_id.logprobs == string_only.logprobs
