@@ -486,6 +486,7 @@ class Trainer:
         self._pushes: dict[int, tuple[str, int, float]] = {}  # actor -> (incarnation, pushed, when it last rose)
         self._last_publish: tuple[int, float] | None = None  # (version, monotonic time)
         self.stop_signal: int | None = None  # SIGINT or SIGTERM received: stop at the next safe point
+        self.in_warm_start = False
 
     # --------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -541,8 +542,9 @@ class Trainer:
         def handler(signum: int, frame: Any) -> None:
             if self.stop_signal is None:
                 self.stop_signal = signum
-                self.log.say(f"[stop] {signal.Signals(signum).name}: stopping after the current step with a checkpoint "
-                             "(send it again to stop at once)")
+                when = ("after the current step with a checkpoint" if self.step > 0 else
+                        "at the next step of the warm start, unsaved" if self.in_warm_start else "before the first step")
+                self.log.say(f"[stop] {signal.Signals(signum).name}: stopping {when} (send it again to stop at once)")
             else:
                 self.stop_signal = -abs(self.stop_signal)
                 raise Stopped(f"stopped at once by a second {signal.Signals(signum).name} at step {self.step}, "
@@ -577,7 +579,13 @@ class Trainer:
             sft_dir = Path(self.cfg.sft.output_dir) if self.cfg.sft.output_dir else self.run_dir / "sft"
             if not check_warm_start(sft_dir, warm_start_inputs(self.cfg, self.cfg.model.path)):
                 self.log.say(f"[sft] warm start on {self.cfg.sft.num_demos} demonstrations -> {sft_dir}")
-                run_sft(self.cfg, self.cfg.model.path, sft_dir)  # prints progress and a readable closing line
+                # prints progress and a readable closing line; a stop signal ends it at the next step, unsaved (a
+                # folder without its summary is not a warm start: the next run makes it again)
+                self.in_warm_start = True
+                try:
+                    run_sft(self.cfg, self.cfg.model.path, sft_dir, on_step=lambda _: self._check_stop())
+                finally:
+                    self.in_warm_start = False
             else:
                 self.log.say(f"[sft] warm start present: {sft_dir}")
             self.policy_path = str(sft_dir)

@@ -9,6 +9,7 @@ DeepSpeed learner) run the way a user does, through the command line in a subpro
   no traceback; before, Ray's handler ended it in SIGABRT with a C++ stack dump. Before the signal, every listening
   socket of the run's processes (Ray, engines, learner, retriever) is on loopback, the learner's process-group store
   included;
+- SIGTERM during the SFT warm start stops it at its next step, unsaved (before: it went on to the end);
 - SIGKILL of the driver leaves no process of the run and no /dev/shm file behind (its reaper).
 
 About 6 minutes on 2 cores."""
@@ -133,6 +134,29 @@ def test_sigterm_mid_run_stops_with_a_checkpoint_and_one_closing_line(tmp_path, 
     public = [s for s in listening if not (s[0].startswith(("127.", "::ffff:127.")) or s[0] == "::1")]
     # learner rank 0's process-group store included (it listened on every interface before it bound MASTER_ADDR)
     assert not public, f"a training listens beyond loopback: {public}"
+
+
+def test_sigterm_during_the_warm_start_stops_it_at_the_next_step_unsaved(tmp_path, world_dir, tiny_model_dir):
+    """Before: the warm start never looked at the stop flag, so a SIGTERM printed "stopping after the current step"
+    and the warm start went on for its minutes (the RL loop was the only place that stopped)."""
+    cfg = config_file(tmp_path, world_dir, tiny_model_dir, "sft.enabled=true", "sft.num_demos=64",
+                      "sft.pretrain_steps=3000", f"sft.output_dir={tmp_path / 'sft'}")
+    run = Run([str(Path(sys.executable).parent / "async-agent-rl"), "train", "--config", str(cfg)])
+    try:
+        run.wait_for("[sft] warm start on", timeout_s=240)
+        time.sleep(3)
+        run.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        rc = run.finish(timeout_s=150)
+    finally:
+        run.kill()
+    took = time.monotonic() - sent
+    assert rc == 128 + signal.SIGTERM, run.text()
+    assert any(x.startswith("[stop] SIGTERM: stopping at the next step of the warm start") for x in run.out), run.text()
+    assert run.out[-1].startswith("[stopped] SIGTERM at step 0 of "), run.text()
+    assert not (tmp_path / "sft" / "config.json").exists(), "a stopped warm start must not be saved as one"
+    assert "Traceback" not in "\n".join(run.err), run.text()
+    assert took < 120, f"the warm start went on for {took:.0f} s after SIGTERM"
 
 
 def test_a_driver_killed_with_sigkill_leaves_nothing_of_the_run_behind(tmp_path, world_dir, tiny_model_dir):
