@@ -41,6 +41,7 @@ WATCHDOG_S = 60  # cluster.progress_timeout_s: a stall ends the run within this 
 SMALL = [
     "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=8",
     "rollout.group_size=4", "rollout.max_concurrent_episodes=16", "eval.at_start=false", "eval.at_end=false",
+    "eval.every_steps=0",
     "sft.enabled=false", "buffer.group_filter=none", f"learner.total_steps={STEPS}", "learner.checkpoint_every=2",
     f"cluster.progress_timeout_s={WATCHDOG_S}", "cluster.actor_timeout_s=20", "monitoring.enabled=false",
 ]  # fmt: skip
