@@ -1,13 +1,11 @@
 """Issue 13, cause 8 and the busy-port half of cause 3, over real loopback HTTP: deeply nested JSON is a 400 (not a
-backend failure), a client that hangs up in the middle of its body is counted as gone (not a backend error), and
-``retriever serve`` on a port that is in use is one ``error:`` line naming the address."""
+backend failure), and a client that hangs up in the middle of its body is counted as gone (not a backend error).
+``retriever serve`` on a port that is in use: tests/integration/test_retriever_processes.py (slow tier)."""
 
 from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -107,21 +105,6 @@ def test_malformed_requests_are_a_few_log_lines_without_tracebacks(server, caplo
                                         ("LineTooLong", "10 such request(s) so far")], caplog.text
     status, reply = post(f"{srv.url}/retrieve", json.dumps({"queries": ["word3"], "topk": 1}).encode())
     assert status == 200  # still serving
-
-
-def test_serve_on_a_busy_port_is_one_error_line(tmp_path: Path):
-    corpus = tmp_path / "c.jsonl"
-    write_corpus(corpus, PASSAGES)
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "driver.cli", "retriever", "serve", "--corpus", str(corpus),
-                            "--port", str(port)], capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], r.stderr
 
 
 def test_a_retriever_child_that_refuses_its_corpus_is_one_input_error(tmp_path: Path):

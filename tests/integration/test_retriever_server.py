@@ -346,28 +346,6 @@ def test_index_command_then_a_server_process_loads_it(tmp_path, corpus_file, pas
     assert proc.proc.returncode is not None
 
 
-def test_a_server_that_died_or_hangs_is_seen_and_restarted_on_its_port(corpus_file, passages):
-    """What the training driver's supervision relies on: ``healthy()`` names a killed server and a stopped (hung)
-    one, and ``restart()`` serves again on the same URL, so the rollout actors' URL stays valid."""
-    import os
-    import signal
-
-    with spawn_server(corpus_file, RetrieverConfig(topk=1)) as server:
-        url = server.url
-        assert server.healthy(2.0) is None
-        os.kill(server.proc.pid, signal.SIGSTOP)  # hung: the port accepts, nothing answers
-        why = server.healthy(1.0)
-        assert why is not None and "did not answer /health within 1 s" in why, why
-        assert server.restart() == url and server.restarts == 1 and server.healthy(2.0) is None
-        os.kill(server.proc.pid, signal.SIGKILL)
-        server.proc.wait(10)
-        assert server.healthy(1.0) == "exited (signal 9)"
-        assert server.restart() == url and server.restarts == 2
-        status, raw = post(f"{url}/retrieve", {"queries": [title_query(passages[3])], "return_scores": True})
-        assert status == 200 and json.loads(raw)["result"][0][0]["document"]["id"] == passages[3].id
-    assert server.proc.returncode is not None
-
-
 def test_other_corpus_with_the_same_index_is_refused(tmp_path, corpus_file, passages, capsys):
     index_dir = tmp_path / "idx"
     BM25Backend.build(passages).save(index_dir)
@@ -377,32 +355,3 @@ def test_other_corpus_with_the_same_index_is_refused(tmp_path, corpus_file, pass
     assert "built for another corpus" in capsys.readouterr().err
 
 
-def test_a_spawned_server_does_not_outlive_a_parent_killed_with_sigkill(tmp_path, corpus_file):
-    """Before: SIGKILL of a training left its retrieval server running (seen for over 7 minutes). The server a
-    process spawns watches its parent and stops within about a second of it being gone."""
-    import os
-    import signal
-
-    parent = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time; from retriever.server import spawn_server; p = spawn_server(sys.argv[1]); "
-         "print(p.proc.pid, flush=True); time.sleep(600)", str(corpus_file)],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        child = int(parent.stdout.readline())
-        os.kill(child, 0)  # alive and serving
-        parent.kill()
-        parent.wait(10)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                os.kill(child, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            os.kill(child, signal.SIGKILL)
-            pytest.fail(f"the retrieval server (pid {child}) outlived its killed parent by 15 s")
-    finally:
-        if parent.poll() is None:
-            parent.kill()

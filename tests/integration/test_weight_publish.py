@@ -18,7 +18,7 @@ from learner.learner import Learner
 from driver.weight_sync import ObjectStorePublisher
 from tests.helpers import VLLM_ENV, EngineHost
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # ~40 s: a vLLM engine in a Ray actor
 
 PROMPT = [101, 102, 103, 104]
 TARGET = [501, 502, 503, 504, 505, 506]
