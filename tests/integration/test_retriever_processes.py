@@ -15,25 +15,13 @@ from pathlib import Path
 import pytest
 
 from async_agent_rl.config import RetrieverConfig
-from async_agent_rl.data.corpus import Passage, import_wiki_offline, read_corpus, write_corpus
+from async_agent_rl.data.corpus import Passage, write_corpus
 from retriever.server import spawn_server
 from tests.helpers import post, title_query
 
 pytestmark = pytest.mark.slow
 
 PASSAGES = [Passage(id=str(i), contents=f'"Title {i}"\nword{i} text about thing {i}') for i in range(20)]
-
-
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "wiki.jsonl"
-    import_wiki_offline(path, limit=400)
-    return path
-
-
-@pytest.fixture(scope="module")
-def passages(corpus_file):
-    return read_corpus(corpus_file)
 
 
 def test_a_server_that_died_or_hangs_is_seen_and_restarted_on_its_port(corpus_file, passages):

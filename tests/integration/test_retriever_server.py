@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits
-from async_agent_rl.data.corpus import Passage, import_wiki_offline, read_corpus, write_corpus
+from async_agent_rl.data.corpus import Passage, write_corpus
 from async_agent_rl.render import render_information
 from async_agent_rl.search import Hit
 from retriever import cli
@@ -24,18 +24,6 @@ from retriever.server import spawn_server, start_server_in_thread
 from tests.helpers import DENSE_DEPS, offline_minilm_dir, post, title_query
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "wiki.jsonl"
-    import_wiki_offline(path, limit=400)
-    return path
-
-
-@pytest.fixture(scope="module")
-def passages(corpus_file):
-    return read_corpus(corpus_file)
 
 
 @pytest.fixture(scope="module")
