@@ -13,7 +13,16 @@ from async_agent_rl.data.corpus import read_corpus
 from async_agent_rl.data.search_r1 import read_qa_parquet
 from async_agent_rl.prompts import prompt_ids, render_question_prompt
 from warm_start.demos import make_demonstrations
-from warm_start.sft import METRICS_FILE, entity_token_ids, evaluate_nll, masked_nll, run_sft
+from warm_start.sft import (
+    METRICS_FILE,
+    entity_token_ids,
+    evaluate_nll,
+    masked_nll,
+    right_padded_nll,
+    run_sft,
+    shared_prefix_length,
+    shared_prefix_nll,
+)
 from retriever.backends import BM25Backend
 from tests.helpers import world_overrides
 
@@ -83,6 +92,47 @@ def test_observation_and_prompt_targets_do_not_change_the_loss(setup, tiny_model
         moved, _ = masked_nll(model, b.input_ids, b.attention_mask, b.loss_mask, targets=one_model_token)
     assert torch.equal(same, base)
     assert not torch.allclose(moved, base)
+
+
+def test_the_shared_prefix_loss_and_gradients_equal_each_row_computing_its_own(setup, tiny_model_dir):
+    """The warm start's step runs the demonstrations' common template once; same loss and gradients as the plain
+    right-padded batch (float reassociation only), over fewer tokens through the model."""
+    _, tok, _, demos, _, _ = setup
+    model = _model(tiny_model_dir)
+    seen: list[int] = []
+    model.base_model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].numel()), with_kwargs=True)
+    b = pack_batch(demos[:8], tok.pad_token_id)
+    p = shared_prefix_length(b.input_ids, b.loss_mask)
+    assert 8 <= p and torch.equal(b.input_ids[:, :p], b.input_ids[:1, :p].expand(8, -1))
+    first_target = int((b.loss_mask > 0).any(0).nonzero()[0])
+    assert p < first_target, (p, first_target)
+
+    grads = []
+    for fn in (right_padded_nll, shared_prefix_nll):
+        model.zero_grad()
+        seen.clear()
+        loss, n = fn(model, b)
+        loss.backward()
+        grads.append((float(loss.detach()), n, [q.grad.clone() for q in model.parameters()], sum(seen)))
+    (l1, n1, g1, t1), (l2, n2, g2, t2) = grads
+    assert n1 == n2 == int(b.loss_mask[:, 1:].sum())
+    assert abs(l1 - l2) < 1e-5
+    for a, c in zip(g1, g2):
+        assert torch.allclose(a, c, rtol=1e-4, atol=1e-6)
+    assert t1 == b.input_ids.numel() and t2 == p + 8 * (b.input_ids.shape[1] - p)
+
+
+def test_shared_prefix_length_stops_before_the_first_target_and_needs_common_tokens():
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 14]])
+    mask = torch.zeros_like(ids)
+    assert shared_prefix_length(ids, mask) == 10  # the common tokens
+    mask[1, 9] = 1  # token 9 is a target: the hidden state at 8 must be each row's own
+    assert shared_prefix_length(ids, mask) == 8
+    mask[0, 5] = 1
+    assert shared_prefix_length(ids, mask) == 0  # 4 < MIN_SHARED_PREFIX: not worth a pass
+    assert shared_prefix_length(ids[:1], torch.zeros_like(ids[:1])) == 0  # one row shares nothing
+    ids[1, 0] = 99
+    assert shared_prefix_length(ids, torch.zeros_like(ids)) == 0
 
 
 def test_sft_lowers_held_out_nll_and_teaches_the_search_format(setup, tmp_path):
