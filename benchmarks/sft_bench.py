@@ -16,7 +16,8 @@ order, each batch padded to its longest row):
   clock starts; the demonstration loss is the same token-mean NLL over model tokens (output head on those positions
   only, as ours), with the attention mask passed as a plain loop would;
 - ``ours``: ``warm_start.sft.pretrain_on_texts`` (tokenizing its texts included) and ``warm_start.sft.train_on_demos``
-  (packing each batch, LR schedule, grad clipping, per-step metrics included), at the same fixed thread count;
+  (packing each batch, LR schedule, grad clipping, per-step metrics included; the rows' common prompt template
+  computed once per batch, ``shared_prefix_nll``), at the same fixed thread count;
 - ``ours-auto``: the same with ``ThreadTuner.for_machine()`` choosing the thread count, as ``run_sft`` does;
 - ``before`` (with ``--before REV``): the same two functions from ``warm_start/sft.py`` at git revision REV.
 
