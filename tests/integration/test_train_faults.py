@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = [
     "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=8",
     "rollout.group_size=4", "rollout.max_concurrent_episodes=16", "eval.num_questions=8",
-    "eval.every_steps=0",  # no mid-run evaluation (the quickstart evaluates every 10 steps)
+    "eval.every_steps=0",  # no mid-run evaluation
     "monitoring.enabled=false", "sft.enabled=false",
     "buffer.group_filter=none",  # the random-init policy never scores: every group would be filtered
 ]  # fmt: skip
