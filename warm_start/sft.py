@@ -112,16 +112,20 @@ class ThreadTuner:
     which changes during a run. So: step 0 is a warm-up (at the fewest threads); then a round of probes,
     ``probe_steps`` steps at each candidate count (a candidate whose first probe step costs over ``drop`` times the
     best so far is not probed further that round), and the cheapest (median seconds per token) is kept for
-    ``every`` steps, a period that doubles (up to ``max_every``) each round the choice stays the same.
+    ``every`` steps, a period that doubles (up to ``max_every``) each round the choice stays the same. A later round
+    moves off the kept count only when another is at least ``margin`` times cheaper: probe steps are different
+    batches (lengths vary), and on the idle 2-core machine a 2-step probe once measured one thread 12% cheaper than
+    two, which then ran 200 steps at about half the speed.
 
     The thread count does not change what is computed (the same ops on the same tensors; on the quickstart model
     the weights after training at 1 and at 2 threads are bitwise equal), only how fast.
     """
 
     def __init__(self, candidates: Sequence[int], probe_steps: int = 2, every: int = 200, max_every: int = 1600,
-                 drop: float = 1.5):
+                 drop: float = 1.5, margin: float = 1.25):
         self.candidates = sorted({max(1, int(c)) for c in candidates}) or [1]
         self.probe_steps, self.every, self.max_every, self.drop = max(1, probe_steps), max(1, every), max_every, drop
+        self.margin = margin
         self.chosen = self.candidates[0]  # until measured (the warm-up step)
         self.choices: list[tuple[int, int]] = []  # (step, count) after each round of probes
         self._costs: dict[int, list[float]] = {}
@@ -175,7 +179,9 @@ class ThreadTuner:
         medians = {c: sorted(v)[len(v) // 2] for c, v in self._costs.items() if v}
         previous = self.choices[-1][1] if self.choices else None
         if medians:
-            self.chosen = min(medians, key=medians.get)
+            best = min(medians, key=medians.get)
+            keep = previous in medians and medians[previous] <= self.margin * medians[best]
+            self.chosen = previous if keep else best
         self._period = min(self.max_every, self._period * 2) if self.chosen == previous else self.every
         self.choices.append((step, self.chosen))
         self._next_round = step + self._period

@@ -80,6 +80,25 @@ def test_thread_tuner_keeps_the_cheaper_count_and_reprobes_later(monkeypatch) ->
     assert set(tuner.kept()) == {1}
 
 
+def test_thread_tuner_keeps_its_count_unless_another_is_clearly_cheaper(monkeypatch) -> None:
+    """Probe steps are different batches: a count 10% cheaper in one round is noise, not a reason to halve speed."""
+    import torch
+
+    from warm_start.sft import ThreadTuner
+
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    tuner = ThreadTuner([1, 2], probe_steps=2, every=5)
+    for step in range(60):
+        tuner.before_step(step)
+        # two threads win the first round; later rounds see one thread 10% cheaper, then 2x cheaper (a real load)
+        cost = {1: 1.0, 2: 0.6} if step < 5 else ({1: 1.0, 2: 1.1} if step < 30 else {1: 1.0, 2: 2.0})
+        tuner.after_step(cost[set_to[-1]], 1)
+    kept = tuner.kept()
+    assert kept[0] == 2 and kept[-1] == 1
+    assert all(c == 2 for (step, c) in tuner.choices if step < 30)
+
+
 def test_thread_tuner_follows_the_load_and_can_be_pinned(monkeypatch) -> None:
     import torch
 
