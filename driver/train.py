@@ -27,6 +27,7 @@ import shutil
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -598,30 +599,36 @@ class Trainer:
         _ray_init(cfg)
         stack.callback(_shutdown_ray)
         _link_ray_logs(self.run_dir / "ray_logs")
-        if cfg.retriever.url:  # the user's server: theirs to keep up
-            self.url, self.retriever = cfg.retriever.url, None
-        else:  # a child process the run supervises (``_supervise_retriever``)
-            self.retriever = stack.enter_context(
-                spawn_server(cfg.data.corpus_file, cfg.retriever, log_file=self.run_dir / "retriever.log"))
-            self.url = self.retriever.url
-        self.log.say(f"[start] retriever {self.url}")
-        exposed = None if cfg.retriever.url else exposure_warning(cfg.retriever.host)  # a server the run started
-        if exposed:
-            log.warning(exposed)
-            self.log.say(f"[warn] {exposed}")
-        self.mon = self._start_monitoring(stack)
-        self.pad_id = self._pad_id()
-        self.buffer = create_buffer_actor(cfg, pad_id=self.pad_id)
+        # The slow starts overlap, each mostly one core: the learner ranks (DeepSpeed) start in a thread while the
+        # retriever server builds its index and the rollout actors start their engines (which need its URL). On
+        # the quickstart, one after the other took about 55 s.
         learner_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": self.policy_path})})
-        self.learner = create_learner_group(learner_cfg)
-        actor_model, actor_version = self.policy_path, 0
-        if self.resume_from is not None:
-            self._restore()
-            actor_model, actor_version = str(self.resume_from / "policy"), self.version
-        self.actors = create_rollout_actors(
-            cfg, self.buffer, self.url, actor_model, actor_version, max_restarts=cfg.cluster.max_actor_restarts
-        )
-        infos = ray.get([a.setup.remote() for a in self.actors])
+        with ThreadPoolExecutor(1, thread_name_prefix="start-learner") as pool:
+            learner = pool.submit(create_learner_group, learner_cfg)
+            if cfg.retriever.url:  # the user's server: theirs to keep up
+                self.url, self.retriever = cfg.retriever.url, None
+            else:  # a child process the run supervises (``_supervise_retriever``)
+                self.retriever = stack.enter_context(
+                    spawn_server(cfg.data.corpus_file, cfg.retriever, log_file=self.run_dir / "retriever.log"))
+                self.url = self.retriever.url
+            self.log.say(f"[start] retriever {self.url}")
+            exposed = None if cfg.retriever.url else exposure_warning(cfg.retriever.host)  # a server the run started
+            if exposed:
+                log.warning(exposed)
+                self.log.say(f"[warn] {exposed}")
+            self.mon = self._start_monitoring(stack)
+            self.pad_id = self._pad_id()
+            self.buffer = create_buffer_actor(cfg, pad_id=self.pad_id)
+            actor_model, actor_version = self.policy_path, 0
+            if self.resume_from is not None:  # the actors start at the learner's restored version
+                self.learner = learner.result()
+                self._restore()
+                actor_model, actor_version = str(self.resume_from / "policy"), self.version
+            self.actors = create_rollout_actors(
+                cfg, self.buffer, self.url, actor_model, actor_version, max_restarts=cfg.cluster.max_actor_restarts
+            )
+            infos = ray.get([a.setup.remote() for a in self.actors])
+            self.learner = learner.result()
         self.publisher = create_publisher(cfg.weight_sync.method, self.actors, self.learner,
                                           actor_timeout_s=cfg.cluster.actor_timeout_s,
                                           backend=backend_for(cfg.run.device, cfg.weight_sync.backend),
