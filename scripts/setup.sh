@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 VENV=${AAR_VENV:-.venv}
 EXTRA=${AAR_EXTRA:-cpu}
 case "${1:-all}" in
-  all) WITH="$EXTRA,dense,dev"; took="about 3 minutes" ;;
-  run) WITH="$EXTRA"; took="about 2.5 minutes" ;;
+  all) WITH="$EXTRA,dense,dev"; took="about 3.5 minutes" ;;
+  run) WITH="$EXTRA"; took="about 3 minutes (measured 3m05s-3m16s)" ;;
   *) echo "error: scripts/setup.sh takes 'run' or nothing, got '$1'" >&2; exit 2 ;;
 esac
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
