@@ -201,6 +201,12 @@ def masked_nll(
     """
     targets = input_ids if targets is None else targets
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return _nll_from_hidden(model, hidden, loss_mask, targets)
+
+
+def _nll_from_hidden(model: Any, hidden: Tensor, loss_mask: Tensor, targets: Tensor) -> tuple[Tensor, int]:
+    """``masked_nll``'s loss from the hidden states ``(B, L, H)`` of the positions ``loss_mask`` and ``targets``
+    ``(B, L)`` cover: the output projection only where the next token is a target."""
     sel = loss_mask[:, 1:] > 0  # (B, L-1): token t+1 is a target
     n = int(sel.sum())
     if n == 0:
@@ -257,12 +263,7 @@ def shared_prefix_nll(model: Any, batch: TrainBatch) -> tuple[Tensor, int]:
         layer.keys = layer.keys.expand(rows, -1, -1, -1)
         layer.values = layer.values.expand(rows, -1, -1, -1)
     hidden = model.base_model(input_ids=ids[:, p:], past_key_values=cache, use_cache=True).last_hidden_state
-    sel = batch.loss_mask[:, p + 1 :] > 0  # hidden[:, i] (position p + i) predicts token p + i + 1
-    n = int(sel.sum())
-    if n == 0:
-        return hidden.sum() * 0.0, 0
-    logits = model.get_output_embeddings()(hidden[:, :-1][sel]).float()
-    return F.cross_entropy(logits, ids[:, p + 1 :][sel]), n
+    return _nll_from_hidden(model, hidden, batch.loss_mask[:, p:], ids[:, p:])  # positions p.. of every row
 
 
 @torch.no_grad()

@@ -59,20 +59,26 @@ def test_not_a_terminal_by_default_for_a_string_buffer() -> None:
     assert Progress("x", 5, stream=io.StringIO()).interactive is False
 
 
-def test_thread_tuner_keeps_the_cheaper_count_and_reprobes_later(monkeypatch) -> None:
+def _drive(monkeypatch, tuner, steps: int, cost_at) -> tuple[list[int], list[int]]:
+    """Run ``tuner`` for ``steps`` steps of one token each costing ``cost_at(step)[threads]`` seconds; returns the
+    thread count in effect at each step and every count handed to torch (which stays patched for the test)."""
     import torch
 
-    from warm_start.sft import ThreadTuner
-
-    set_to = []
+    set_to: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
-    tuner = ThreadTuner([1, 2], probe_steps=2, every=10)
-    cost = {1: 1.0, 2: 3.0}  # two threads are slower (a loaded machine)
     used = []
-    for step in range(40):
+    for step in range(steps):
         tuner.before_step(step)
         used.append(set_to[-1])
-        tuner.after_step(cost[set_to[-1]], 1)
+        tuner.after_step(cost_at(step)[set_to[-1]], 1)
+    return used, set_to
+
+
+def test_thread_tuner_keeps_the_cheaper_count_and_reprobes_later(monkeypatch) -> None:
+    from warm_start.sft import ThreadTuner
+
+    tuner = ThreadTuner([1, 2], probe_steps=2, every=10)
+    used, _ = _drive(monkeypatch, tuner, 40, lambda step: {1: 1.0, 2: 3.0})  # two threads slower (a loaded machine)
     assert used[0] == 1  # warm-up at the fewest threads
     assert used[1:4] == [1, 1, 2]  # probes; 2 is dropped after one step 3x slower
     assert tuner.kept()[0] == 1 and all(c == 1 for c in used[4:13])
@@ -82,35 +88,22 @@ def test_thread_tuner_keeps_the_cheaper_count_and_reprobes_later(monkeypatch) ->
 
 def test_thread_tuner_keeps_its_count_unless_another_is_clearly_cheaper(monkeypatch) -> None:
     """Probe steps are different batches: a count 10% cheaper in one round is noise, not a reason to halve speed."""
-    import torch
-
     from warm_start.sft import ThreadTuner
 
-    set_to = []
-    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
     tuner = ThreadTuner([1, 2], probe_steps=2, every=5)
-    for step in range(60):
-        tuner.before_step(step)
-        # two threads win the first round; later rounds see one thread 10% cheaper, then 2x cheaper (a real load)
-        cost = {1: 1.0, 2: 0.6} if step < 5 else ({1: 1.0, 2: 1.1} if step < 30 else {1: 1.0, 2: 2.0})
-        tuner.after_step(cost[set_to[-1]], 1)
+    # two threads win the first round; later rounds see one thread 10% cheaper, then 2x cheaper (a real load)
+    _drive(monkeypatch, tuner, 60,
+           lambda step: {1: 1.0, 2: 0.6} if step < 5 else ({1: 1.0, 2: 1.1} if step < 30 else {1: 1.0, 2: 2.0}))
     kept = tuner.kept()
     assert kept[0] == 2 and kept[-1] == 1
     assert all(c == 2 for (step, c) in tuner.choices if step < 30)
 
 
 def test_thread_tuner_follows_the_load_and_can_be_pinned(monkeypatch) -> None:
-    import torch
-
     from warm_start.sft import THREADS_ENV, ThreadTuner
 
-    set_to = []
-    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
     tuner = ThreadTuner([1, 2], probe_steps=2, every=5)
-    for step in range(60):
-        tuner.before_step(step)
-        loaded = step < 20
-        tuner.after_step({1: 1.0, 2: 3.0 if loaded else 0.6}[set_to[-1]], 1)
+    _, set_to = _drive(monkeypatch, tuner, 60, lambda step: {1: 1.0, 2: 3.0 if step < 20 else 0.6})
     assert tuner.kept()[0] == 1 and tuner.kept()[-1] == 2
     monkeypatch.setenv(THREADS_ENV, "3")
     pinned = ThreadTuner.for_machine()
