@@ -73,6 +73,10 @@ class RunFailed(InputError):
     ends with one ``error:`` line naming it and the cause (exit status 2, as the CLI maps ``InputError``)."""
 
 
+def _resources(res: dict) -> str:
+    return f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs"
+
+
 def _cause(e: BaseException) -> str:
     """An exception in one line: the component and the cause (unwrapped from Ray), else its type and first line."""
     line = error_line(e)
@@ -143,7 +147,7 @@ def stall_message(*, step: int, waited: float, limit: float, configured: bool, l
     (version, seconds ago))."""
     running = [a.running for a in actors if isinstance(a, RolloutStats)]
     silent = [i for i, a in enumerate(actors) if isinstance(a, str)]
-    if learner.startswith("computing"):
+    if learner.startswith(("computing", "not answering")):
         blocked = f"the learner ({learner})"
     elif isinstance(buffer, str):
         blocked = f"the replay buffer ({buffer})"
@@ -621,20 +625,39 @@ class Trainer:
             self.buffer = create_buffer_actor(cfg, pad_id=self.pad_id)
             actor_model, actor_version = self.policy_path, 0
             if self.resume_from is not None:  # the actors start at the learner's restored version
-                self.learner = learner.result()
+                self.learner = self._started(learner.result)
                 self._restore()
                 actor_model, actor_version = str(self.resume_from / "policy"), self.version
             self.actors = create_rollout_actors(
                 cfg, self.buffer, self.url, actor_model, actor_version, max_restarts=cfg.cluster.max_actor_restarts
             )
-            infos = ray.get([a.setup.remote() for a in self.actors])
-            self.learner = learner.result()
+            infos = self._started(lambda: ray.get([a.setup.remote() for a in self.actors],
+                                                  timeout=cfg.cluster.actor_setup_timeout_s), what="rollout")
+            self.learner = self._started(learner.result)
         self.publisher = create_publisher(cfg.weight_sync.method, self.actors, self.learner,
                                           actor_timeout_s=cfg.cluster.actor_timeout_s,
                                           backend=backend_for(cfg.run.device, cfg.weight_sync.backend),
                                           timeout_s=cfg.weight_sync.timeout_s)
         stack.callback(self._close_publisher)
         self.log.say(f"[start] buffer, {cfg.learner.num_ranks} learner rank(s), rollout actors {infos}")
+
+    def _started(self, start: Callable[[], Any], what: str = "learner") -> Any:
+        """``start()``: the learner group or the rollout actors' set-up, each bounded by
+        ``cluster.actor_setup_timeout_s``; past it, one error line naming what did not start and what it asks Ray
+        for (a rank or an actor Ray cannot place waits forever otherwise)."""
+        c = self.cfg.cluster
+        try:
+            return start()
+        except GetTimeoutError:
+            if what == "learner":
+                n, asks = self.cfg.learner.num_ranks, f"cluster.learner_cpus={c.learner_cpus:g}, learner_gpus=" \
+                                                     f"{c.learner_gpus:g}"
+            else:
+                n, asks = self.cfg.rollout.num_actors, f"cluster.rollout_actor_cpus={c.rollout_actor_cpus:g}, " \
+                                                       f"rollout_actor_gpus={c.rollout_actor_gpus:g}"
+            raise RunFailed(f"the {n} {what} actor(s) were not started within cluster.actor_setup_timeout_s="
+                            f"{c.actor_setup_timeout_s:g} s (each asks Ray for {asks}; the cluster has "
+                            f"{_resources(ray.cluster_resources())})") from None
 
     def _close_publisher(self) -> None:
         """The learner's side of the collective path's group, released before Ray shuts down (a learner that is
@@ -770,6 +793,7 @@ class Trainer:
         started = time.monotonic()
         thread = threading.Thread(target=call, name="learner-step", daemon=True)  # daemon: a hung one never blocks exit
         thread.start()
+        no_batch: bool | None = None  # whether the buffer's answer was "no batch" (known once it has arrived)
         while True:
             thread.join(timeout=1.0)
             if not thread.is_alive():
@@ -777,7 +801,17 @@ class Trainer:
             if self.watchdog.expired():
                 took = time.monotonic() - started
                 if ray.wait([batch], timeout=0, fetch_local=False)[0]:
-                    state = f"computing step {self.step + 1} for up to {took:.0f} s (its batch has arrived)"
+                    if no_batch is None:  # fetched once, when the run is about to end
+                        try:
+                            no_batch = ray.get(batch, timeout=REPORT_TIMEOUT_S) is None
+                        except ray.exceptions.RayError:  # the sampler failed: the learner's thread raises it soon
+                            no_batch = True
+                    if not no_batch:
+                        state = f"computing step {self.step + 1} for up to {took:.0f} s (its batch has arrived)"
+                    elif took > SUPERVISE_WHILE_WAITING_S + REPORT_TIMEOUT_S:
+                        state = f"not answering for {took:.0f} s after the buffer answered sample_batch with no batch"
+                    else:  # the idle learner's "no batch" is on its way back: reported (and saved) below
+                        continue
                 elif took > SUPERVISE_WHILE_WAITING_S + REPORT_TIMEOUT_S:
                     state = f"waiting {took:.0f} s for the buffer's answer to sample_batch (asked with a " \
                             f"{SUPERVISE_WHILE_WAITING_S:.0f} s timeout)"

@@ -124,8 +124,10 @@ class LearnerGroup:
     def __init__(self, actors: list[Any]):
         self.actors = actors
 
-    def ready(self) -> list[int]:
-        return ray.get([a.rank.remote() for a in self.actors])
+    def ready(self, timeout_s: float | None = None) -> list[int]:
+        """Every rank's number once all are started; ``GetTimeoutError`` after ``timeout_s`` (a rank Ray cannot
+        place, one whose start hangs)."""
+        return ray.get([a.rank.remote() for a in self.actors], timeout=timeout_s)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
@@ -176,6 +178,13 @@ class LearnerGroup:
 
 
 def create_learner_group(cfg: Config) -> LearnerGroup:
+    """The ``learner.num_ranks`` rank actors, started; ``GetTimeoutError`` when they are not within
+    ``cluster.actor_setup_timeout_s`` (the ranks then are killed)."""
     group = LearnerGroup(create_learner_actors(cfg))
-    group.ready()
+    try:
+        group.ready(cfg.cluster.actor_setup_timeout_s)
+    except BaseException:
+        for actor in group.actors:
+            ray.kill(actor)
+        raise
     return group

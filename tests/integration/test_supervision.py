@@ -290,3 +290,68 @@ def test_a_buffer_that_stopped_answering_ends_a_checkpoint_in_one_error_line_and
     assert error_line(err.value) == ("error: the buffer actor (snapshot) did not answer within "
                                      "cluster.actor_timeout_s=3 s (hung or stopped)")
     assert not list((tmp_path / "run" / "checkpoints").iterdir()), "no partial checkpoint is left"
+
+
+class AnswersLate:
+    """The learner group's ``train_step`` on a loaded machine: it takes its batch, then needs a few seconds more to
+    answer (``None``: the buffer had no batch)."""
+
+    def __init__(self, answer_after_s: float):
+        self.answer_after_s = answer_after_s
+
+    def train_step(self, batch):
+        got = ray.get(batch)
+        time.sleep(self.answer_after_s)
+        return None if got is None else "stats"
+
+
+@ray.remote(num_cpus=0)
+class IdleBuffer:
+    def stats(self):
+        from async_agent_rl.stats import BufferStats
+        return BufferStats()
+
+
+def stalled_trainer(tmp_path, learner) -> Trainer:
+    cfg = load_config(None, ["cluster.progress_timeout_s=1"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
+    trainer.mon, trainer.buffer, trainer.learner, trainer.actors, trainer.step = None, IdleBuffer.remote(), learner, [], 1
+    trainer.watchdog.waiting()
+    time.sleep(1.5)
+    assert trainer.watchdog.expired()
+    return trainer
+
+
+def test_a_no_batch_answer_still_on_its_way_when_the_watchdog_fires_is_not_reported_as_computing(tmp_path):
+    """Seen in CI: the buffer answered sample_batch with no batch, the watchdog's limit passed while the learner's
+    "no batch" was on its way back, and the run ended blaming "the learner (computing step 2 ...)" instead of an
+    idle learner waiting for a batch (whose line carries a checkpoint)."""
+    trainer = stalled_trainer(tmp_path, AnswersLate(answer_after_s=3))
+    assert trainer._learner_step(ray.put(None)) is None  # the idle answer: the caller reports "waiting for a batch"
+    # a batch that arrived and is being computed on is still the learner's, and a "no batch" that never comes back
+    # is reported once the buffer's own timeout and the report's have passed
+    trainer = stalled_trainer(tmp_path, AnswersLate(answer_after_s=30))
+    with pytest.raises(RunFailed, match=r"blocked: the learner \(computing step 2 for up to \d+ s \(its batch has"):
+        trainer._learner_step(ray.put("a batch"))
+    trainer = stalled_trainer(tmp_path, AnswersLate(answer_after_s=60))
+    t0 = time.monotonic()
+    with pytest.raises(RunFailed, match=r"blocked: the learner \(not answering for \d+ s after the buffer answered "
+                                        "sample_batch with no batch\\)"):
+        trainer._learner_step(ray.put(None))
+    assert time.monotonic() - t0 < 30
+
+
+def test_learner_ranks_ray_cannot_place_end_the_start_in_one_error_line_in_time(tmp_path):
+    """The learner group's start waited for its ranks with no limit: ranks asking for more CPUs than the cluster has
+    left the run waiting forever, saying nothing."""
+    from learner.actor import create_learner_group
+
+    cfg = load_config(None, ["cluster.learner_cpus=64", "cluster.actor_setup_timeout_s=3"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
+    t0 = time.monotonic()
+    with pytest.raises(RunFailed) as err:
+        trainer._started(lambda: create_learner_group(cfg))
+    assert time.monotonic() - t0 < 15
+    assert error_line(err.value) == (
+        "error: the 1 learner actor(s) were not started within cluster.actor_setup_timeout_s=3 s (each asks Ray for "
+        "cluster.learner_cpus=64, learner_gpus=0; the cluster has 2 CPUs, 0 GPUs)")
