@@ -23,7 +23,7 @@ have=$(cat "$stamp" 2>/dev/null || true)
 # the full set-up also serves `run`
 if [ "$have" != "$WITH $hash" ] && [ "$have" != "$EXTRA,dense,dev $hash" ]; then
   echo "[setup] installing into $VENV (extras: $WITH); a fresh venv takes $took"
-  python -m pip install -q --upgrade pip setuptools wheel
+  python -m pip install -q --upgrade pip
   # uv installs the same packages as pip about twice as fast here. It does not read pip's configuration, so the
   # indexes, find-links, constraints and certificates pip is set up with are handed on, and it takes the best
   # version across indexes as pip does. Where uv cannot be had or fails, pip installs.
