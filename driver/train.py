@@ -73,6 +73,23 @@ class RunFailed(InputError):
     ends with one ``error:`` line naming it and the cause (exit status 2, as the CLI maps ``InputError``)."""
 
 
+def check_actors_fit(cfg: Config, resources: dict[str, float]) -> None:
+    """On the local cluster the run starts, every actor must fit at once (a dead rollout actor's share is freed
+    for its restart): Ray leaves an actor it cannot place pending for ever. One ``InputError`` naming the keys."""
+    c = cfg.cluster
+    asks = {"CPU": [("buffer", 1, c.buffer_cpus), ("rollout actors", cfg.rollout.num_actors, c.rollout_actor_cpus),
+                    ("learner ranks", cfg.learner.num_ranks, c.learner_cpus)],
+            "GPU": [("rollout actors", cfg.rollout.num_actors, c.rollout_actor_gpus),
+                    ("learner ranks", cfg.learner.num_ranks, c.learner_gpus)]}
+    for res, parts in asks.items():
+        need, have = sum(n * each for _, n, each in parts), resources.get(res, 0.0)
+        if need > have + 1e-9:
+            detail = ", ".join(f"{name} {n} x {each:g}" for name, n, each in parts if each)
+            fix = "raise cluster.num_cpus or lower cluster.*_cpus" if res == "CPU" else "lower cluster.*_gpus"
+            raise InputError(f"the run's actors ask the local Ray cluster for {need:g} {res}s ({detail}) and it has "
+                             f"{have:g}: {fix}")
+
+
 def _resources(res: dict) -> str:
     return f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs"
 
@@ -602,6 +619,8 @@ class Trainer:
         self._local_cluster = not (cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS"))
         _ray_init(cfg)
         stack.callback(_shutdown_ray)
+        if self._local_cluster:
+            check_actors_fit(cfg, ray.cluster_resources())
         _link_ray_logs(self.run_dir / "ray_logs")
         # The slow starts overlap, each mostly one core: the learner ranks (DeepSpeed) start in a thread while the
         # retriever server builds its index and the rollout actors start their engines (which need its URL). On
