@@ -489,6 +489,14 @@ class Config(_Section):
             )
         return self
 
+    def actor_asks(self, resource: str) -> list[tuple[str, int, float]]:
+        """What the run's Ray actors ask for of ``resource`` ("CPU" or "GPU"): (which, how many, each)."""
+        c, n_actors, n_ranks = self.cluster, self.rollout.num_actors, self.learner.num_ranks
+        if resource == "CPU":
+            return [("buffer", 1, c.buffer_cpus), ("rollout actors", n_actors, c.rollout_actor_cpus),
+                    ("learner ranks", n_ranks, c.learner_cpus)]
+        return [("rollout actors", n_actors, c.rollout_actor_gpus), ("learner ranks", n_ranks, c.learner_gpus)]
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name

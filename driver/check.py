@@ -182,7 +182,7 @@ def _check_gpus(cfg: Config, report: Report, gpus: list[Gpu], params: int | None
               "activations not counted)" if states else "memory unknown until the model is there")
     where = "on CPU" if cfg.run.device == "cpu" else f"x {cl.learner_gpus:g} GPU"
     report.say("learner", f"{lc.num_ranks} rank(s) {where}, ZeRO-{lc.zero_stage}, {lc.dtype}; {memory}")
-    need = ro.num_actors * cl.rollout_actor_gpus + lc.num_ranks * cl.learner_gpus
+    need = sum(n * each for _, n, each in cfg.actor_asks("GPU"))
     have = ", ".join(f"{g.name} {g.memory_bytes / GIB:.0f} GiB" for g in gpus)
     report.say("gpus", f"the config asks Ray for {need:g} GPU(s) (rollout {ro.num_actors} x "
                f"{cl.rollout_actor_gpus:g}, learner {lc.num_ranks} x {cl.learner_gpus:g}); this machine has "

@@ -76,12 +76,8 @@ class RunFailed(InputError):
 def check_actors_fit(cfg: Config, resources: dict[str, float]) -> None:
     """On the local cluster the run starts, every actor must fit at once (a dead rollout actor's share is freed
     for its restart): Ray leaves an actor it cannot place pending for ever. One ``InputError`` naming the keys."""
-    c = cfg.cluster
-    asks = {"CPU": [("buffer", 1, c.buffer_cpus), ("rollout actors", cfg.rollout.num_actors, c.rollout_actor_cpus),
-                    ("learner ranks", cfg.learner.num_ranks, c.learner_cpus)],
-            "GPU": [("rollout actors", cfg.rollout.num_actors, c.rollout_actor_gpus),
-                    ("learner ranks", cfg.learner.num_ranks, c.learner_gpus)]}
-    for res, parts in asks.items():
+    for res in ("CPU", "GPU"):
+        parts = cfg.actor_asks(res)
         need, have = sum(n * each for _, n, each in parts), resources.get(res, 0.0)
         if need > have + 1e-9:
             detail = ", ".join(f"{name} {n} x {each:g}" for name, n, each in parts if each)
@@ -823,6 +819,8 @@ class Trainer:
                     if no_batch is None:  # fetched once, when the run is about to end
                         try:
                             no_batch = ray.get(batch, timeout=REPORT_TIMEOUT_S) is None
+                        except GetTimeoutError:  # an answer this slow to fetch is a batch, not None
+                            no_batch = False
                         except ray.exceptions.RayError:  # the sampler failed: the learner's thread raises it soon
                             no_batch = True
                     if not no_batch:
