@@ -221,8 +221,11 @@ class RolloutConfig(_Section):
 class BufferConfig(_Section):
     max_staleness: int = Field(2, ge=0, description="eta: max learner_version - min token version, in published "
                                "policy versions (weight_sync.every_steps learner steps each); 0 = on-policy")
-    capacity_trajectories: int = Field(4096, ge=1)
-    capacity_tokens: int = Field(8_000_000, ge=1)
+    capacity_trajectories: int = Field(4096, ge=1, description="stored trajectories at most; at least "
+                                       "learner.batch_size (a batch is taken whole)")
+    capacity_tokens: int = Field(8_000_000, ge=1, description="stored prompt + response tokens at most; at least "
+                                 "learner.batch_size x (data.max_prompt_length + rollout.max_response_length), a "
+                                 "batch of the longest trajectories")
     sampling: Literal["fifo", "priority"] = "fifo"
     partial_groups: Literal["wait", "release", "drop"] = Field(
         "wait", description="groups with missing members: wait for them, release what arrived, or drop (counted)"
@@ -459,16 +462,20 @@ class Config(_Section):
                 f"rollout.max_obs_length ({self.rollout.max_obs_length}) must be at most rollout.max_response_length "
                 f"({self.rollout.max_response_length}): one search result would use up the whole response budget"
             )
-        if self.buffer.capacity_tokens < self.model.max_model_len:
-            raise ValueError(
-                f"buffer.capacity_tokens ({self.buffer.capacity_tokens}) must be at least model.max_model_len "
-                f"({self.model.max_model_len}): a full-length trajectory could never be stored, its push would fail"
-            )
         if self.buffer.capacity_trajectories < self.learner.batch_size:
             raise ValueError(
                 f"buffer.capacity_trajectories ({self.buffer.capacity_trajectories}) must be at least "
                 f"learner.batch_size ({self.learner.batch_size}): a batch is taken from the buffer whole, so one "
                 "that cannot fit never comes and the run waits forever"
+            )
+        batch_tokens = self.learner.batch_size * self.max_trajectory_tokens
+        if self.buffer.capacity_tokens < batch_tokens:
+            raise ValueError(
+                f"buffer.capacity_tokens ({self.buffer.capacity_tokens}) must be at least learner.batch_size x "
+                f"(data.max_prompt_length + rollout.max_response_length) ({self.learner.batch_size} x "
+                f"({self.data.max_prompt_length} + {self.rollout.max_response_length}) = {batch_tokens}): a batch "
+                "is taken from the buffer whole and each of its trajectories may be that long, so a smaller buffer "
+                "may never hold one and the run would wait forever"
             )
         if self.buffer.max_staleness == 0 and self.weight_sync.every_steps > 1:
             raise ValueError(
@@ -488,6 +495,13 @@ class Config(_Section):
                 f"{self.rollout.group_size}): a group of one always has equal rewards"
             )
         return self
+
+    @property
+    def max_trajectory_tokens(self) -> int:
+        """The longest trajectory the buffer may be given: a prompt of ``data.max_prompt_length`` (longer ones are
+        skipped) and a response (model and observation tokens) of ``rollout.max_response_length``, which the
+        context bounds (``model.max_model_len``)."""
+        return min(self.model.max_model_len, self.data.max_prompt_length + self.rollout.max_response_length)
 
     def actor_asks(self, resource: str) -> list[tuple[str, int, float]]:
         """What the run's Ray actors ask for of ``resource`` ("CPU" or "GPU"): (which, how many, each)."""

@@ -11,15 +11,25 @@ import pytest
 
 import retriever.cli
 from async_agent_rl.config import ConfigError, load_config
+from buffer.replay_buffer import ReplayBuffer
 from driver.cli import main
 from retriever.server import exposure_warning
+from tests.helpers import Clock, traj
 
 pytestmark = pytest.mark.unit
 
 REFUSED = [
     # defaults: model.max_model_len 2048, data.max_prompt_length 512, rollout.max_response_length 512,
     # rollout.max_obs_length 256, learner.batch_size 40, rollout.group_size 5
-    (["buffer.capacity_tokens=2047"], "buffer.capacity_tokens (2047) must be at least model.max_model_len (2048)"),
+    # a batch of 40 trajectories of up to 512 + 512 tokens each needs 40960 tokens of buffer
+    (["buffer.capacity_tokens=40959"],
+     "buffer.capacity_tokens (40959) must be at least learner.batch_size x (data.max_prompt_length + "
+     "rollout.max_response_length) (40 x (512 + 512) = 40960)"),
+    # was accepted: the buffer holds one of the eight groups of a batch, pushes were retried for ever
+    (["buffer.capacity_tokens=2048", "buffer.capacity_trajectories=40"],
+     "buffer.capacity_tokens (2048) must be at least learner.batch_size x"),
+    (["buffer.capacity_tokens=40960", "data.max_prompt_length=600"],
+     "(40 x (600 + 512) = 44480)"),
     (["buffer.capacity_trajectories=39"], "buffer.capacity_trajectories (39) must be at least learner.batch_size (40)"),
     (["rollout.max_response_length=1537"],
      "rollout.max_response_length (1537) must be at most model.max_model_len - data.max_prompt_length "
@@ -50,7 +60,7 @@ def test_a_config_that_would_stall_or_misbehave_is_refused_in_one_error(override
 
 
 ACCEPTED = [
-    ["buffer.capacity_tokens=2048", "buffer.capacity_trajectories=40"],  # exactly a full trajectory, a batch
+    ["buffer.capacity_tokens=40960", "buffer.capacity_trajectories=40"],  # exactly a batch of the longest
     ["rollout.max_response_length=1536", "rollout.max_obs_length=1536"],  # exactly what the prompt leaves
     ["run.name=seed0-rl"], ["run.name=a.b"], ["run.name=..x"],
 ]
@@ -59,6 +69,32 @@ ACCEPTED = [
 @pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(a) for a in ACCEPTED])
 def test_the_edges_still_load(overrides):
     load_config(None, overrides)
+
+
+def test_the_token_rule_is_the_buffers_own():
+    """The edge of the rule is the buffer's: at ``capacity_tokens = batch_size x (max_prompt_length +
+    max_response_length)`` a batch of the longest trajectories forms; one token less and it never does (the last
+    member waits for room only a batch would free). The config that used to load (2048 tokens, 40 trajectories)
+    holds one group of 300-token trajectories of the eight a batch needs."""
+    config = load_config(None, ["buffer.capacity_tokens=40960", "buffer.capacity_trajectories=40"])
+    group, batch, longest = config.rollout.group_size, config.learner.batch_size, config.max_trajectory_tokens
+    assert (group, batch, longest) == (5, 40, 1024)
+
+    def fill(capacity_tokens: int, tokens: int) -> tuple[int, list | None]:
+        buffer = ReplayBuffer(config.buffer.model_copy(update={"capacity_tokens": capacity_tokens}), group,
+                              clock=Clock())
+        stored = 0
+        for g in range(batch // group):
+            for m in range(group):
+                stored += buffer.push([traj(f"g{g}", m, tokens=tokens)]).accepted
+        return stored, buffer.sample_wire(batch, 0)
+
+    stored, sampled = fill(40960, longest)
+    assert stored == batch and sampled is not None and len(sampled) == batch
+    stored, sampled = fill(40959, longest)
+    assert stored < batch and sampled is None
+    stored, sampled = fill(2048, 300)
+    assert stored == group and sampled is None
 
 
 @pytest.mark.parametrize("text, key, line, first", [
