@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import ipaddress
 import json
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
@@ -56,6 +57,24 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` cannot be an address to listen on: neither an IP address nor a host name by its syntax (labels
+    of letters, digits and hyphens, the last not all digits, so ``999.1.1.1`` is no name either); None if it can."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return None
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if (0 < len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
+            and not labels[-1].isdigit()):
+        return None
+    return f"{host!r} is not an IP address (127.0.0.1, ::1) or a host name (localhost)"
 
 
 # ----------------------------------------------------------------------------------------------------------- model
@@ -161,6 +180,14 @@ class RetrieverConfig(_Section):
     max_batch_queries: int = Field(256, ge=1)
     limits: RetrieverLimits = RetrieverLimits()
     client: SearchClientConfig = SearchClientConfig()
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, host: str) -> str:
+        problem = host_problem(host)
+        if problem is not None:
+            raise ValueError(problem)
+        return host
 
     @field_validator("url")
     @classmethod
@@ -635,12 +662,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         source = str(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a folder, not a YAML file")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        try:
+            tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         except _DuplicateKey as e:
             raise ConfigError(f"config file {path}: {e}") from None
         except yaml.YAMLError as e:

@@ -10,6 +10,7 @@ is unwrapped and the component named) into the line the CLI prints before exitin
 from __future__ import annotations
 
 import errno
+import os
 import re
 import sys
 
@@ -38,6 +39,20 @@ def _ray_failure(e: BaseException) -> tuple[str, BaseException | None] | None:
     return None
 
 
+def _file_in_the_way(e: OSError) -> str | None:
+    """The file that stood where a folder was wanted (``mkdir`` of an existing file, a path through a file), or
+    None when the error is of another kind."""
+    if not isinstance(e, (FileExistsError, NotADirectoryError)) or not isinstance(e.filename, (str, os.PathLike)):
+        return None
+    path = os.fspath(e.filename)
+    if isinstance(e, FileExistsError):
+        return path if os.path.lexists(path) and not os.path.isdir(path) else None
+    parent = os.path.dirname(path)
+    while parent and not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    return parent if parent and not os.path.isdir(parent) else None
+
+
 def error_line(e: BaseException) -> str | None:
     """The ``error: ...`` line for a known kind of failure; None for anything else (a bug: the CLI says so)."""
     where = ""
@@ -54,6 +69,13 @@ def error_line(e: BaseException) -> str | None:
     if isinstance(e, OSError):
         if e.errno == errno.EADDRINUSE:
             return f"error: {where}{e.strerror or e}"
+        if e.errno == errno.EADDRNOTAVAIL:  # a listen address no interface of this machine has
+            return f"error: {where}{e.strerror or e} (no network interface of this machine has that address)"
+        in_the_way = _file_in_the_way(e)
+        if in_the_way is not None:
+            if in_the_way == os.fspath(e.filename):
+                return f"error: {where}{in_the_way}: a file, not a folder"
+            return f"error: {where}{os.fspath(e.filename)}: {in_the_way} is a file, not a folder"
         if e.filename is not None:
             return f"error: {where}{e.filename}: {e.strerror or e}"
         if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):

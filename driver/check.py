@@ -65,6 +65,52 @@ def count_parameters(model_dir: Path) -> int | None:
     return total
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file ``path`` cannot be loaded (a truncated or padded file, a header that is not JSON
+    or does not describe its tensors), or None. Reads the header only: 8 bytes of little-endian length, that many
+    bytes of JSON giving each tensor's ``data_offsets`` into the data that follows."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path}: truncated safetensors file: {size} bytes, not even the 8-byte header length"
+        header_len = int.from_bytes(head, "little")
+        if 8 + header_len > size:
+            return (f"{path}: truncated safetensors file: {size} bytes, its header alone says {8 + header_len}")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        return f"{path}: not a safetensors file: its header does not describe tensors ({type(e).__name__})"
+    expected = 8 + header_len + max(ends, default=0)
+    if size != expected:
+        what = "truncated" if size < expected else "damaged (padded)"
+        return f"{path}: {what} safetensors file: {size} bytes, its header describes {expected}"
+    return None
+
+
+def model_weights_problems(model_dir: Path) -> list[str]:
+    """What is wrong with a model folder's safetensors weights, one line each (a folder without safetensors files
+    is not judged here): each ``*.safetensors`` file's size against its header, and every shard a
+    ``model.safetensors.index.json`` names present."""
+    problems = []
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            problems.append(f"{index}: not a safetensors index ({type(e).__name__})")
+            shards = []
+        problems += [f"{model_dir / s}: missing (named by {index.name})" for s in shards
+                     if not (model_dir / s).is_file()]
+    for f in sorted(model_dir.glob("*.safetensors")):
+        why = safetensors_problem(f)
+        if why is not None:
+            problems.append(why)
+    return problems
+
+
 def probe_retriever(url: str, timeout_s: float) -> str | None:
     """None if ``url`` answers a one-query Search-R1 request, else why not."""
     body = json.dumps({"queries": ["dry run probe"], "topk": 1}).encode()
@@ -86,6 +132,10 @@ def installed_vllm() -> tuple[str, str] | None:
 def _check_model(cfg: Config, report: Report) -> int | None:
     path = Path(cfg.model.path)
     if (path / "config.json").is_file():
+        damaged = model_weights_problems(path)
+        if damaged:
+            report.problems += [f"model.path {problem}" for problem in damaged]
+            return None
         params = count_parameters(path)
         size = f"{params / 1e9:.2f} B" if params and params >= 1e8 else f"{(params or 0) / 1e6:.1f} M"
         report.say("model", f"{path}: present" + (f" ({size} parameters)" if params else ""))
@@ -104,6 +154,8 @@ def _check_data(cfg: Config, report: Report) -> None:
     for key, path in files:
         if Path(path).is_file():
             report.say("data", f"{path}: present")
+        elif Path(path).is_dir():
+            report.problems.append(f"{key} {path}: a folder, not a file")
         elif cfg.data.make_world_if_missing:
             report.say("data", f"{path}: missing; the run generates the world (data.make_world_if_missing)")
         else:

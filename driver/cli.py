@@ -135,6 +135,18 @@ def _at_least_one(value: int | None, flag: str) -> bool:
     return True
 
 
+def _check_weights(model: str, what: str) -> None:
+    """Refuse a model folder whose safetensors weights are damaged (truncated, padded, a shard missing) before an
+    engine is started on it: the engine's own failure is a traceback ending in "Engine core initialization failed"
+    that names no file."""
+    from driver.check import model_weights_problems
+
+    problems = model_weights_problems(Path(model))
+    if problems:
+        more = f" (and {len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
+        raise InputError(f"{what} {problems[0]}{more}")
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -152,6 +164,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     files = [args.data] if args.data else cfg.data.train_files
     examples, _ = read_qa_files(files, cfg.data.on_bad_row)
     model = args.model or cfg.model.path
+    _check_weights(model, "--model" if args.model else "model.path")
     out: list = []
 
     async def sink(batch: list) -> None:
@@ -216,9 +229,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 2
     cfg = _config(args)
     model = args.checkpoint or cfg.model.path
+    what = "--checkpoint" if args.checkpoint else "model.path"
     if not (Path(model) / "config.json").is_file():  # never a Hugging Face Hub repo id: only local folders
-        what = "--checkpoint" if args.checkpoint else "model.path"
         raise InputError(f"{what} {model}: no model folder there (no config.json)")
+    _check_weights(model, what)
     examples, _ = read_qa_files([args.data] if args.data else cfg.data.test_files, cfg.data.on_bad_row)
     examples = examples[: args.limit] if args.limit else examples
 

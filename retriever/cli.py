@@ -93,8 +93,16 @@ def _config_from_args(args: argparse.Namespace) -> RetrieverConfig:
             ),
         )
     except ValidationError as e:  # one line naming each bad argument, like every other bad input
-        errors = (f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}" for err in e.errors())
+        errors = (f"{_flag(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors())
         raise ConfigError("; ".join(errors)) from None
+
+
+def _flag(loc: tuple) -> str:
+    """The command-line flag of a ``RetrieverConfig`` field (``host`` -> ``--host``, ``index_dir`` -> ``--index``)."""
+    if not loc:
+        return "arguments"
+    name = str(loc[-1])
+    return "--index" if name == "index_dir" else "--" + name.replace("_", "-")
 
 
 def _read_nonempty(path: str) -> PassageList:

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -450,6 +451,9 @@ async def serve(
         site = web.TCPSite(runner, config.host, config.port, backlog=2048)
         try:
             await site.start()
+        except socket.gaierror as e:  # a host name that does not resolve
+            raise InputError(f"cannot listen on {config.host}:{config.port}: {config.host!r} is not an address of "
+                             f"this machine (the name does not resolve: {e.strerror})") from None
         except OSError as e:  # e.g. the port is in use: name the address (errno kept for the CLI's error line)
             raise OSError(e.errno, f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
         host, port = runner.addresses[0][:2]

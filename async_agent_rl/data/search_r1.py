@@ -163,6 +163,8 @@ def read_qa_parquet(
     """Read a Search-R1 parquet file. A bad row raises ``DataFormatError`` naming the file and row; with
     ``on_bad_row="skip"`` it is skipped, counted in ``report`` and logged."""
     path = Path(path)
+    if path.is_dir():
+        raise DataFormatError(f"{path}: a folder, not a parquet file")
     if not path.is_file():
         raise DataFormatError(f"{path}: file not found")
     try:

@@ -140,3 +140,92 @@ def test_counts_below_one_are_refused_before_anything_starts(argv, flag, capsys)
     """Before: ``eval --limit -5`` and ``rollout --num-episodes -1`` were taken at face value."""
     code, err = run_cli(argv, capsys)
     assert_one_error_line(code, err, flag, "at least 1")
+
+
+def test_a_folder_where_a_file_is_wanted_is_named_as_a_folder(files, tmp_path, capsys):
+    """Issue 31: a folder given as the config said "does not exist"; one given as a parquet file (``--data``,
+    ``data.test_files``) said "file not found"."""
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    code, err = run_cli(["config", "show", "--config", str(folder)], capsys)
+    assert_one_error_line(code, err, f"config file {folder} is a folder, not a YAML file")
+    argv = ["eval", "--checkpoint", str(files["model"]), "--data", str(folder), "--config", QUICKSTART]
+    assert_one_error_line(*run_cli(argv, capsys), f"{folder}: a folder, not a parquet file")
+    argv = ["eval", "--checkpoint", str(files["model"]), "--config", QUICKSTART, f"data.test_files=[{folder}]"]
+    assert_one_error_line(*run_cli(argv, capsys), f"{folder}: a folder, not a parquet file")
+
+
+def test_a_file_where_an_output_folder_is_wanted_is_named(tmp_path, capsys):
+    """Issue 31: an existing file given as an output folder said "File exists" (a path through a file: "Not a
+    directory")."""
+    from async_agent_rl.errors import error_line
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "contents": '"Alpha"\nAlpha is a city.'}) + "\n")
+    in_the_way = tmp_path / "index"
+    in_the_way.write_text("a file, not a folder")
+    argv = ["retriever", "index", "--corpus", str(corpus), "--out", str(in_the_way)]
+    assert_one_error_line(*run_cli(argv, capsys), f"{in_the_way}: a file, not a folder")
+    assert error_line(NotADirectoryError(20, "Not a directory", str(in_the_way / "sub" / "x"))) == (
+        f"error: {in_the_way / 'sub' / 'x'}: {in_the_way} is a file, not a folder")
+    # an existing folder (mkdir without exist_ok) is not dressed up as a file
+    assert error_line(FileExistsError(17, "File exists", str(tmp_path))) == f"error: {tmp_path}: File exists"
+
+
+def test_a_listen_address_that_cannot_be_is_named(tmp_path, capsys):
+    """Issue 31: ``retriever serve --host 999.1.1.1`` ended in ``unexpected OSError``; now refused before the
+    corpus is read. An address no interface has (EADDRNOTAVAIL) is one line too."""
+    import errno
+
+    from async_agent_rl.errors import error_line
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "contents": '"Alpha"\nAlpha is a city.'}) + "\n")
+    argv = ["retriever", "serve", "--corpus", str(corpus), "--host", "999.1.1.1", "--port", "0"]
+    assert_one_error_line(*run_cli(argv, capsys), "--host", "'999.1.1.1' is not an IP address")
+    code, err = run_cli(["config", "show", "retriever.host=999.1.1.1"], capsys)
+    assert_one_error_line(code, err)  # the config's report: one error: line, the key on the line below
+    assert "retriever.host: Value error, '999.1.1.1' is not an IP address" in err
+    line = error_line(OSError(errno.EADDRNOTAVAIL, "cannot listen on 192.0.2.7:8000: cannot assign requested address"))
+    assert line is not None and "192.0.2.7:8000" in line and "no network interface" in line
+
+
+def _safetensors_model(folder: Path) -> Path:
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    save_file({"a": np.zeros((64, 64), dtype=np.float32), "b": np.ones(16, dtype=np.float32)},
+              str(folder / "model.safetensors"))
+    return folder / "model.safetensors"
+
+
+def test_eval_on_a_truncated_checkpoint_names_the_file_before_an_engine_starts(tmp_path, capsys, monkeypatch):
+    """Issue 31: ``eval --checkpoint DIR`` with a truncated ``model.safetensors`` printed the engine's traceback and
+    ``unexpected RuntimeError: Engine core initialization failed``."""
+    import actors.stack
+
+    from driver.check import model_weights_problems
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started on a damaged checkpoint")
+
+    monkeypatch.setattr(actors.stack, "local_stack", no_engine)
+    weights = _safetensors_model(tmp_path / "policy")
+    assert model_weights_problems(weights.parent) == []
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[: len(intact) // 2])
+    argv = ["eval", "--checkpoint", str(weights.parent), "--config", QUICKSTART]
+    assert_one_error_line(*run_cli(argv, capsys), f"--checkpoint {weights}: truncated safetensors file",
+                          f"{len(intact) // 2} bytes, its header describes {len(intact)}")
+    weights.write_bytes(intact[:5])  # not even the header's length
+    assert_one_error_line(*run_cli(argv, capsys), str(weights), "truncated")
+    weights.write_bytes(intact + b"\0" * 10)
+    assert_one_error_line(*run_cli(argv, capsys), str(weights), "padded")
+    weights.write_bytes(b"\x10" + b"\0" * 7 + b"{not json at all}")
+    assert_one_error_line(*run_cli(argv, capsys), str(weights), "not a safetensors file")
+    weights.write_bytes(intact)
+    (weights.parent / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert_one_error_line(*run_cli(argv, capsys), "model-00002-of-00002.safetensors: missing")

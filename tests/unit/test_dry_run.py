@@ -57,6 +57,24 @@ def test_gpu_config_with_its_files_and_gpus_is_fine(tmp_path, monkeypatch):
     assert any("model states" in p and "exceed" in p for p in small.problems)
 
 
+def test_a_damaged_model_or_a_folder_for_a_data_file_is_a_problem(tmp_path, monkeypatch):
+    """Issue 31: a truncated ``model.safetensors`` made the dry run fail inside safetensors (unexpected error) and
+    the run's engine fail with a traceback; a folder given as a data file counted as a missing file."""
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "models" / "Qwen2.5-3B-Instruct"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(100, 100)}, str(model / "model.safetensors"))
+    intact = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(intact[:-100])
+    (tmp_path / "data" / "nq_search" / "train.parquet").mkdir(parents=True)
+    report = dry_run(load_config(GPU_CONFIG, ["retriever.url=null"]), gpus=[H100] * 8)
+    problems = "\n".join(report.problems)
+    assert (f"model.path models/Qwen2.5-3B-Instruct/model.safetensors: truncated safetensors file: "
+            f"{len(intact) - 100} bytes, its header describes {len(intact)}") in problems
+    assert "data.train_files data/nq_search/train.parquet: a folder, not a file" in problems
+
+
 def test_learner_model_states_follow_zero_sharding():
     cfg = load_config(GPU_CONFIG)  # bfloat16, 4 ranks, ZeRO-3, reference model with kl_coef > 0
     params = 1_000_000
