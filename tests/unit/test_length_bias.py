@@ -5,6 +5,12 @@ long, multi-search episode finishes last) runs through the real ``BufferActor`` 
 on a simulated clock: one rollout actor with 32 episode slots whose engine reloads every published version, and a
 learner that takes a batch as soon as one is ready. Serving in completion order and evicting by the oldest token
 (the old design) dropped the groups with a long member; pacing admission and serving oldest-first must not.
+
+Pacing alone makes the length distributions agree (everything admitted is consumed, none goes stale), so the test
+also checks the serving order: no batch takes a group of a newer version while a whole group of an older one
+waits. Completion order breaks that at eta 4 (1-4 batches of 60 in each of 8 seeds) and eta 8 (7-15); at eta 1
+pacing rules it out (with the learner past version ``a`` at most ``eta * N`` groups are open, the old one
+included, so a batch of ``N`` groups cannot pass it by) and at eta 2 this workload never shows it.
 """
 
 from __future__ import annotations
@@ -44,8 +50,10 @@ def _blob(gid: str, member: int, version: int, tokens: int) -> bytes:
     ).encode()
 
 
-def simulate(eta: int, seed: int, steps: int = 60) -> tuple[list[int], list[int], dict]:
-    """Returns the response lengths generated (arrived at the buffer) and consumed, and the buffer's stats."""
+def simulate(eta: int, seed: int, steps: int = 60) -> tuple[list[int], list[int], dict, list[str]]:
+    """Returns the response lengths generated (arrived at the buffer) and consumed, the buffer's stats, and the
+    batches served out of version order: a batch that took a group of version ``v`` while a whole group of an
+    older version (a long member made it complete late) waited in the buffer."""
     rng = random.Random(seed)
     group, batch, slots = 4, 16, 32
     buf = BufferActor(BufferConfig(max_staleness=eta, capacity_trajectories=4096), group_size=group,
@@ -54,6 +62,9 @@ def simulate(eta: int, seed: int, steps: int = 60) -> tuple[list[int], list[int]
     events: list[tuple[float, int, str, int, int, int]] = []  # (time, seq, group id, member, version, tokens)
     generated: list[int] = []
     consumed: list[int] = []
+    arrived: dict[str, int] = {}  # group id -> members pushed
+    complete: dict[str, int] = {}  # whole groups not yet served -> their version
+    out_of_order: list[str] = []
     while version < steps and now < 10_000:
         while running + group <= slots:  # the actor fills its free slots with whole groups
             k += 1
@@ -67,7 +78,14 @@ def simulate(eta: int, seed: int, steps: int = 60) -> tuple[list[int], list[int]
         if now >= learner_free_at:
             got = buf.sample(batch, version)
             if got is not None:
-                consumed += [len(Trajectory.decode(b).response_ids) for b in got]
+                trajs = [Trajectory.decode(b) for b in got]
+                consumed += [len(t.response_ids) for t in trajs]
+                served = {t.meta.group_id: t.min_version for t in trajs}
+                for gid in served:
+                    complete.pop(gid, None)
+                if complete and max(served.values()) > min(complete.values()):
+                    out_of_order.append(f"batch {version}: served versions {sorted(set(served.values()))} while "
+                                        f"whole groups of version {min(complete.values())} waited")
                 version += 1  # published at once; the engine reloads before its next admission
                 learner_free_at = now + 0.5
         if not events:
@@ -79,12 +97,15 @@ def simulate(eta: int, seed: int, steps: int = 60) -> tuple[list[int], list[int]
             running -= 1
             generated.append(tokens)
             buf.push_many([_blob(gid, m, v, tokens)])
-    return generated, consumed, buf.stats()
+            arrived[gid] = arrived.get(gid, 0) + 1
+            if arrived[gid] == group:
+                complete[gid] = v
+    return generated, consumed, buf.stats(), out_of_order
 
 
-@pytest.mark.parametrize("eta", [0, 1, 2, 4])
+@pytest.mark.parametrize("eta", [0, 1, 2, 4, 8])
 def test_trained_on_lengths_match_generated_lengths_under_a_heavy_tail(eta):
-    generated, consumed, stats = simulate(eta, seed=eta)
+    generated, consumed, stats, out_of_order = simulate(eta, seed=eta)
     assert len(consumed) >= 60 * 16 * 0.95  # the run went on: short groups aside, 60 batches of 16
     share_long = sum(n >= 256 for n in generated) / len(generated)
     assert share_long > 0.05, "the workload must have a real tail"
@@ -95,3 +116,6 @@ def test_trained_on_lengths_match_generated_lengths_under_a_heavy_tail(eta):
     long_consumed = sum(n >= 256 for n in consumed) / len(consumed)
     assert 0.8 <= long_consumed / long_generated <= 1.25, (long_generated, long_consumed)
     assert stats.evicted["stale"] == 0
+    # the lengths above match whatever the serving order (pacing consumes everything in the end); the order is what
+    # keeps a group with a long member from waiting behind newer ones: served by version, never by completion
+    assert out_of_order == [], f"eta {eta}: {len(out_of_order)} batches out of version order, e.g. {out_of_order[0]}"
