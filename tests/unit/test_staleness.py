@@ -2,7 +2,13 @@
 
 The property tests drive a model of the whole system through the real ``BufferActor`` (admission + replay buffer,
 no Ray): rollout actors ask for admission at their engine's weight version, episodes finish in any order, are lost
-or whole actors die, engines reload, and a learner consumes a batch per version.
+or whole actors die, engines reload, and a learner consumes a batch per version. A ``rush`` finishes (or loses)
+everything but the oldest few episodes, lets the learner take every batch it can and the actors ask again, so
+stragglers stay in flight across learner steps while newer versions' groups overtake them: without the oldest open
+group in the admission rule the generated cases alone find a straggler evicted as stale (3 runs of 3 at 300 cases,
+without the pinned examples). Each actor pushes through one in-order outbox, as ``push_all`` does, so a full
+buffer (a capacity below the default) refuses and the rest waits; that found a stall, pinned below as a strict
+xfail.
 """
 
 from __future__ import annotations
@@ -118,20 +124,27 @@ def _blob(gid: str, member: int, version: int, reward: float) -> bytes:
 
 
 class Model:
-    """Rollout actors, their engines and a learner around one real ``BufferActor``."""
+    """Rollout actors, their engines and a learner around one real ``BufferActor``. Each actor pushes its finished
+    episodes in order through one outbox, as ``push_all`` does: while the buffer is full the refused rest waits
+    (still running for admission) and is sent again; a killed actor's outbox dies with it."""
 
-    def __init__(self, eta: int, group: int, batch_groups: int, max_concurrent: int, filt: bool, seed: int):
+    def __init__(self, eta: int, group: int, batch_groups: int, max_concurrent: int, filt: bool, seed: int,
+                 capacity: int | None = None):
         self.eta, self.G, self.B = eta, group, batch_groups * group
-        cfg = BufferConfig(max_staleness=eta, group_filter="zero_variance" if filt else "none")
+        cfg = BufferConfig(max_staleness=eta, group_filter="zero_variance" if filt else "none",
+                           **({} if capacity is None else {"capacity_trajectories": capacity}))
         self.buf = BufferActor(cfg, group_size=group, consumed_per_version=self.B, max_concurrent=max_concurrent,
                                batch_size=self.B)
         self.rng = random.Random(seed)
         self.learner_version = 0
         self.engine = {"a0": 0, "a1": 0}  # actor -> weight version of its engine
         self.running: list[tuple[str, str, int, int]] = []  # (actor, group id, member, version at admission)
+        self.outbox: dict[str, list[bytes]] = {"a0": [], "a1": []}  # finished, not yet taken by the buffer
         self.consumed_staleness: list[int] = []
         self.steps = 0
         self.k = 0
+        self.refused = 0  # pushes the full buffer turned away (each retry counts)
+        self.learned_over_stragglers = 0  # learner steps taken while an episode of an older version ran
 
     def admit(self, actor: str) -> bool:
         self.k += 1
@@ -141,16 +154,37 @@ class Model:
         self.running += [(actor, gid, m, self.engine[actor]) for m in range(self.G)]
         return True
 
+    def fill(self, actor: str) -> bool:
+        moved = False
+        while self.admit(actor):
+            moved = True
+        return moved
+
     def finish(self, i: int, lose: bool, newer: bool) -> None:
         actor, gid, m, v = self.running.pop(i)
         if lose:
             self.buf.reject([gid])
         else:  # tokens of an admitted episode are never older than its admission version
             version = self.engine[actor] if newer else v
-            self.buf.push_many([_blob(gid, m, version, reward=float(m % 2))])
+            self.outbox[actor].append(_blob(gid, m, version, reward=float(m % 2)))
+            self.flush(actor)
+
+    def flush(self, actor: str) -> bool:
+        """Send the actor's outbox; the buffer takes the longest prefix it has room for."""
+        box = self.outbox[actor]
+        if not box:
+            return False
+        result = self.buf.push_many(list(box))
+        del box[: result.accepted]
+        self.refused += len(box)
+        return result.accepted > 0
+
+    def flush_all(self) -> bool:
+        return any([self.flush(actor) for actor in self.outbox])
 
     def kill(self, actor: str) -> None:
         self.running = [r for r in self.running if r[0] != actor]
+        self.outbox[actor] = []  # its unsent pushes die with it (still running for admission: counted lost)
         self.buf.actor_lost(actor)
         self.engine[actor] = self.learner_version  # the restarted actor loads the newest weights
 
@@ -158,6 +192,8 @@ class Model:
         got = self.buf.sample(self.B, self.learner_version)
         if got is None:
             return False
+        if any(v < self.learner_version for _, _, _, v in self.running):
+            self.learned_over_stragglers += 1
         for blob in got:
             t = Trajectory.decode(blob)
             self.consumed_staleness.append(staleness(self.learner_version, t.min_version))
@@ -168,23 +204,41 @@ class Model:
     def sync(self, actor: str) -> None:
         self.engine[actor] = self.learner_version
 
+    def rush(self, keep: int, lose_share: float) -> None:
+        """Everything but the ``keep`` oldest running episodes (the stragglers) finishes, some lost (across groups
+        and versions); the learner takes every batch it can, the engines reload and the actors ask again: the
+        stragglers are overtaken by newer versions' groups for as long as admission lets them."""
+        stragglers, rest = self.running[:keep], self.running[keep:]
+        self.running = stragglers + rest
+        while len(self.running) > len(stragglers):
+            self.finish(len(self.running) - 1, lose=self.rng.random() < lose_share, newer=False)
+        while self.learn() or self.flush_all():
+            pass
+        for actor in self.engine:
+            self.sync(actor)
+            self.fill(actor)
+
 
 events = st.lists(
-    st.tuples(st.sampled_from(["admit", "finish", "lose", "kill", "sync", "learn"]),
+    st.tuples(st.sampled_from(["admit", "fill", "finish", "lose", "kill", "sync", "learn", "rush"]),
               st.integers(0, 1), st.integers(0, 10_000), st.booleans()),
-    max_size=80,
+    max_size=60,
 )
 
 
-def _check(eta, group, batch_groups, extra, max_concurrent, filt, script):
+def _check(eta, group, batch_groups, extra, max_concurrent, filt, script, capacity=None):
     """Random traffic, then a fair drain (engines reload, actors ask, episodes finish, the learner samples): the
-    learner must make progress, every consumed trajectory must be within eta, and nothing may go stale."""
-    m = Model(eta, group, batch_groups, max(group, max_concurrent), filt and group > 1, seed=extra)
+    learner must make progress, every consumed trajectory must be within eta, and nothing may go stale.
+    ``capacity``: extra trajectories of buffer room beyond one batch (None: the default, which never fills)."""
+    m = Model(eta, group, batch_groups, max(group, max_concurrent), filt and group > 1, seed=extra,
+              capacity=None if capacity is None else batch_groups * group + capacity)
     actors = ["a0", "a1"]
     for kind, a, pick, flag in script:
         actor = actors[a]
         if kind == "admit":
             m.admit(actor)
+        elif kind == "fill":
+            m.fill(actor)
         elif kind in ("finish", "lose") and m.running:
             m.finish(pick % len(m.running), lose=kind == "lose", newer=flag)
         elif kind == "kill" and flag:
@@ -193,22 +247,27 @@ def _check(eta, group, batch_groups, extra, max_concurrent, filt, script):
             m.sync(actor)
         elif kind == "learn":
             m.learn()
+        elif kind == "rush":
+            m.rush(keep=1 + pick % 3, lose_share=0.2 if flag else 0.0)
+        m.flush_all()
     target = m.steps + 2 * (eta + 2)
     while m.steps < target:  # drain, with no losses now: it must keep making batches
         moved = False
         for actor in actors:
             m.sync(actor)
-            while m.admit(actor):
-                moved = True
+            moved = m.fill(actor) or moved
         while m.running:
             m.finish(m.rng.randrange(len(m.running)), lose=False, newer=False)
             moved = True
+        moved = m.flush_all() or moved
         moved = m.learn() or moved
-        assert moved, f"deadlock: learner stuck at version {m.learner_version}; buffer {m.buf.stats()}"
+        assert moved, (f"deadlock: learner stuck at version {m.learner_version}; outboxes "
+                       f"{ {a: len(b) for a, b in m.outbox.items()} }; buffer {m.buf.stats()}")
     assert all(0 <= s <= eta for s in m.consumed_staleness)
     stats = m.buf.stats()
     assert stats.evicted[EVICT_STALE] == 0, "admission started episodes that were then thrown away as stale"
     assert stats.pushed == stats.sampled + stats.evicted_total + stats.size
+    return m
 
 
 @settings(max_examples=300, deadline=None)
@@ -229,6 +288,25 @@ def _check(eta, group, batch_groups, extra, max_concurrent, filt, script):
 def test_the_whole_system_never_deadlocks_never_exceeds_eta_and_discards_nothing(
         eta, group, batch_groups, extra, max_concurrent, filt, script):
     _check(eta, group, batch_groups, extra, max_concurrent, filt, script)
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: an actor's in-order pushes stall behind a new group's first "
+                   "member that a full buffer refuses, while the members that would complete the reserved groups wait "
+                   "behind it (capacity_trajectories below (eta + 1) x the batch); see the test's docstring")
+def test_a_full_buffer_never_stalls_an_actors_in_order_pushes():
+    """A full buffer with the capacity the config allows (one batch): eta 1, groups of 2, batch 2 (one group),
+    room for 2 trajectories, one actor. Admission lets two groups run (eta + 1 versions' worth); X's first member
+    arrives and reserves room for X, Y's first member is refused (no room for a new group), and X's second member,
+    queued behind it in the same outbox (``push_all`` resends the refused rest in order), never arrives: no batch,
+    for ever. Found by the model above with a generated capacity; strict xfail until admission reserves buffer room
+    (or pushes stop being in order) and this passes."""
+    m = Model(eta=1, group=2, batch_groups=1, max_concurrent=4, filt=False, seed=0, capacity=2)
+    assert m.fill("a0") and len(m.running) == 4  # groups X and Y, both at version 0
+    for i in (0, 1, 0, 0):  # running is [X/0, X/1, Y/0, Y/1]: they finish as X/0, Y/0, X/1, Y/1
+        m.finish(i, lose=False, newer=False)
+    for _ in range(3):
+        m.flush_all()
+    assert m.learn(), f"no batch: outbox {len(m.outbox['a0'])} waiting, buffer {m.buf.stats().size} stored"
 
 
 @pytest.mark.parametrize("group, batch", [(4, 6), (3, 8), (8, 4), (2, 5)])
