@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import ray
 
 from async_agent_rl.config import Config, TinyModelConfig, WorldConfig, build_config
