@@ -87,14 +87,17 @@ class RolloutActor:
                 "skipped_too_long": len(too_long)}
 
     # ------------------------------------------------------------------------------------------ buffer plumbing
+    # every call to the buffer is answered within cluster.actor_timeout_s, or fails the worker (the driver then
+    # restarts this actor, and ends the run when the buffer itself stopped answering)
     async def _admit(self, n: int, version: int, group_id: str) -> int:
-        return await self.buffer.try_start.remote(n, version, group_id, self.actor_id)
+        return await asyncio.wait_for(self.buffer.try_start.remote(n, version, group_id, self.actor_id),
+                                      self.cfg.cluster.actor_timeout_s)
 
     async def _push(self, trajs: list[Trajectory]) -> None:
-        await push_all_async(self.buffer, [t.encode() for t in trajs])
+        await push_all_async(self.buffer, [t.encode() for t in trajs], call_timeout_s=self.cfg.cluster.actor_timeout_s)
 
     async def _lost(self, group_ids: list[str]) -> None:
-        await self.buffer.reject.remote(group_ids)
+        await asyncio.wait_for(self.buffer.reject.remote(group_ids), self.cfg.cluster.actor_timeout_s)
 
     # ------------------------------------------------------------------------------------------------ control
     async def start(self, num_groups: int | None = None) -> None:

@@ -247,15 +247,23 @@ def create_buffer_actor(cfg: Config, *, pad_id: int, name: Optional[str] = None)
     )
 
 
+CALL_TIMEOUT_S = 120.0  # one push_many call must be answered within this (cluster.actor_timeout_s's default)
+
+
 def push_all(
-    actor: "ray.actor.ActorHandle", blobs: Sequence[bytes], *, poll_s: float = 0.02, timeout_s: Optional[float] = None
+    actor: "ray.actor.ActorHandle", blobs: Sequence[bytes], *, poll_s: float = 0.02, timeout_s: Optional[float] = None,
+    call_timeout_s: float = CALL_TIMEOUT_S,
 ) -> int:
     """Push ``blobs`` through backpressure: while the buffer is full, wait ``poll_s`` and resend the refused rest.
-    Returns how many times it waited; raises ``TimeoutError`` after ``timeout_s``."""
+    Returns how many times it waited; raises ``TimeoutError`` after ``timeout_s`` (None: as long as the buffer
+    answers and stays full), and when one call is not answered within ``call_timeout_s`` (a buffer stopped or hung)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rest, waits = list(blobs), 0
     while rest:
-        result: PushResult = ray.get(actor.push_many.remote(rest))
+        try:
+            result: PushResult = ray.get(actor.push_many.remote(rest), timeout=call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(_silent(call_timeout_s, len(rest))) from None
         rest = rest[result.accepted :]
         if rest:
             _check_deadline(deadline, len(rest), timeout_s)
@@ -265,19 +273,27 @@ def push_all(
 
 
 async def push_all_async(
-    actor: "ray.actor.ActorHandle", blobs: Sequence[bytes], *, poll_s: float = 0.02, timeout_s: Optional[float] = None
+    actor: "ray.actor.ActorHandle", blobs: Sequence[bytes], *, poll_s: float = 0.02, timeout_s: Optional[float] = None,
+    call_timeout_s: float = CALL_TIMEOUT_S,
 ) -> int:
     """``push_all`` for async callers (rollout actors running an event loop)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rest, waits = list(blobs), 0
     while rest:
-        result: PushResult = await actor.push_many.remote(rest)
+        try:
+            result: PushResult = await asyncio.wait_for(actor.push_many.remote(rest), call_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(_silent(call_timeout_s, len(rest))) from None
         rest = rest[result.accepted :]
         if rest:
             _check_deadline(deadline, len(rest), timeout_s)
             waits += 1
             await asyncio.sleep(poll_s)
     return waits
+
+
+def _silent(call_timeout_s: float, left: int) -> str:
+    return f"the replay buffer did not answer push_many within {call_timeout_s:g} s; {left} trajectories not pushed"
 
 
 def _check_deadline(deadline: Optional[float], left: int, timeout_s: Optional[float]) -> None:

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Protocol, Sequence, Union
 import numpy as np
 import ray
 import torch
+from ray.exceptions import GetTimeoutError
 
 from async_agent_rl.stats import PublishStats
 
@@ -97,7 +98,7 @@ class ObjectStorePublisher:
             silent = [i for i, c in enumerate(calls) if c not in done]
             raise PublishTimeout(f"rollout actor(s) {silent} did not apply version {version} within "
                                  f"{self.timeout_s:g} s")
-        results = ray.get(calls)
+        results = ray.get(calls, timeout=self.timeout_s)  # all ready: this only fetches their small answers
         reported = [s for s in map(_reported_seconds, results) if s is not None]
         return PublishStats(version, self.method, time.perf_counter() - t0, put_s, size, len(self.actors), reported)
 
@@ -130,8 +131,17 @@ class CollectivePublisher:
         sender = self.learner.join_weight_group(world_size, self.backend, self.timeout_s, self.generation)
         joins = [a.join_weight_group.remote(port, 1 + i * self.workers_per_engine, world_size, self.backend,
                                             self.timeout_s, self.generation) for i, a in enumerate(self.actors)]
-        ray.get([sender, *joins])
+        self._get([sender, *joins], f"joining the weight group (generation {self.generation})")
         self.connected = True
+
+    def _get(self, refs: list, what: str) -> list:
+        """``ray.get(refs)`` within ``timeout_s``; a member that does not answer (stopped, hung) ends the publish
+        with ``PublishTimeout`` naming what waited."""
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise PublishTimeout(f"{what}: a member did not answer within weight_sync.timeout_s={self.timeout_s:g} s "
+                                 "(hung or stopped)") from None
 
     def member_restarted(self) -> None:
         """A rollout actor came back in a new process: the group is made again before the next publish."""
@@ -145,7 +155,8 @@ class CollectivePublisher:
         t0 = time.perf_counter()
         specs = self.learner.prepare_publish()
         try:
-            refusals = [r for r in ray.get([a.check_weight_specs.remote(specs) for a in self.actors]) if r]
+            refusals = [r for r in self._get([a.check_weight_specs.remote(specs) for a in self.actors],
+                                             f"checking the specs of version {version}") if r]
             if refusals:
                 raise WeightsRefused("; ".join(refusals))
         except BaseException:
@@ -154,7 +165,7 @@ class CollectivePublisher:
         try:
             pending = [a.update_weights_collective.remote(version, specs) for a in self.actors]
             sent = self.learner.broadcast_weights(specs)
-            (size, send_s), *results = ray.get([sent, *pending])
+            (size, send_s), *results = self._get([sent, *pending], f"the broadcast of version {version}")
         except BaseException:
             self.connected = False  # a member failed halfway: the group is made again before the next publish
             raise

@@ -17,9 +17,11 @@ from typing import Any, Optional
 
 import numpy as np
 import ray
+from ray.exceptions import GetTimeoutError
 
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config
+from async_agent_rl.errors import InputError
 from async_agent_rl.net import free_port
 from async_agent_rl.stats import LearnerStats
 from async_agent_rl.weight_group import WeightGroup, listen_socket, weight_specs
@@ -118,25 +120,48 @@ def create_learner_actors(cfg: Config) -> list[Any]:
     ]
 
 
-class LearnerGroup:
-    """Drives all rank actors together; returns rank 0's results."""
+class LearnerTimeout(InputError):
+    """A learner rank did not answer a call within its limit (stopped, hung): one ``error:`` line naming the call
+    and the config key of the limit."""
 
-    def __init__(self, actors: list[Any]):
+
+class LearnerGroup:
+    """Drives all rank actors together; returns rank 0's results. Every call is bounded: ``timeout_s``
+    (``cluster.actor_timeout_s``) for quick ones, ``long_timeout_s`` (``cluster.actor_setup_timeout_s``: as long as
+    loading a model may take) for those that move the whole model (checkpoints, gathering the weights to publish);
+    a rank that does not answer in time raises ``LearnerTimeout``."""
+
+    def __init__(self, actors: list[Any], timeout_s: float = 120.0, long_timeout_s: float = 900.0):
         self.actors = actors
+        self.timeout_s, self.long_timeout_s = timeout_s, long_timeout_s
+
+    def _get(self, refs: Any, what: str, long: bool = False, limit: float | None = None) -> Any:
+        """``ray.get(refs)`` within the call's limit (``limit``, else the group's quick or long one)."""
+        if limit is None:
+            limit = self.long_timeout_s if long else self.timeout_s
+            within = f"{'cluster.actor_setup_timeout_s' if long else 'cluster.actor_timeout_s'}={limit:g} s"
+        else:
+            within = f"{limit:g} s"
+        try:
+            return ray.get(refs, timeout=limit)
+        except GetTimeoutError:
+            raise LearnerTimeout(f"the learner ({what}) did not answer within {within} (hung or stopped)") from None
 
     def ready(self, timeout_s: float | None = None) -> list[int]:
         """Every rank's number once all are started; ``GetTimeoutError`` after ``timeout_s`` (a rank Ray cannot
         place, one whose start hangs)."""
         return ray.get([a.rank.remote() for a in self.actors], timeout=timeout_s)
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+    def _all(self, method: str, *args: Any, long: bool = False, limit: float | None = None) -> list[Any]:
+        return self._get([getattr(a, method).remote(*args) for a in self.actors], method, long, limit)
 
-    def train_step(self, batch: "TrainBatch | ray.ObjectRef") -> Optional[LearnerStats]:
-        """One step on every rank. Best given the reference ``buffer.sample_batch.remote(...)`` returned: the batch
-        then goes from the buffer to the ranks, never through the caller. None when that found no batch."""
+    def train_step(self, batch: "TrainBatch | ray.ObjectRef", timeout_s: float | None = None
+                   ) -> Optional[LearnerStats]:
+        """One step on every rank, within ``timeout_s`` (None: the group's long limit). Best given the reference
+        ``buffer.sample_batch.remote(...)`` returned: the batch then goes from the buffer to the ranks, never
+        through the caller. None when that found no batch."""
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)  # one copy for all ranks
-        return self._all("train_step", ref)[0]
+        return self._all("train_step", ref, long=True, limit=timeout_s)[0]
 
     def bump_version(self) -> int:
         return self._all("bump_version")[0]
@@ -144,43 +169,46 @@ class LearnerGroup:
     def state_dict_ref(self) -> "ray.ObjectRef":
         """A reference to rank 0's numpy state dict, for ``ObjectStorePublisher.publish`` (no driver copy)."""
         refs = [a.state_dict_for_publish.remote() for a in self.actors]
-        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        ready, _ = ray.wait(refs, num_returns=len(refs), fetch_local=False, timeout=self.long_timeout_s)
+        if len(ready) < len(refs):
+            raise LearnerTimeout(f"the learner (state_dict_for_publish) did not answer within "
+                                 f"cluster.actor_setup_timeout_s={self.long_timeout_s:g} s (hung or stopped)")
         return refs[0]
 
     # the collective weight path: see LearnerActor and driver.weight_sync.CollectivePublisher
     def open_weight_group(self) -> int:
-        return ray.get(self.actors[0].open_weight_group.remote())
+        return self._get(self.actors[0].open_weight_group.remote(), "open_weight_group")
 
     def join_weight_group(self, world_size: int, backend: str, timeout_s: float, generation: int) -> "ray.ObjectRef":
         """Rank 0's join, not waited for (it returns once the engines have joined too)."""
         return self.actors[0].join_weight_group.remote(world_size, backend, timeout_s, generation)
 
     def prepare_publish(self) -> list:
-        return self._all("prepare_publish")[0]
+        return self._all("prepare_publish", long=True)[0]
 
     def broadcast_weights(self, specs: list) -> "ray.ObjectRef":
         """Rank 0's broadcast, not waited for (it returns once every receiver has taken every tensor)."""
         return self.actors[0].broadcast_weights.remote(specs)
 
     def discard_prepared(self) -> None:
-        ray.get(self.actors[0].discard_prepared.remote())
+        self._get(self.actors[0].discard_prepared.remote(), "discard_prepared")
 
     def close_weight_group(self) -> None:
-        ray.get(self.actors[0].close_weight_group.remote())
+        self._get(self.actors[0].close_weight_group.remote(), "close_weight_group")
 
     def save_checkpoint(self, directory: str | Path) -> str:
-        return self._all("save_checkpoint", str(directory))[0]
+        return self._all("save_checkpoint", str(directory), long=True)[0]
 
     def load_checkpoint(self, directory: str | Path) -> tuple[int, int]:
         """Load ``directory`` on every rank; returns the learner's (step, version) from it."""
-        step, version = self._all("load_checkpoint", str(directory))[0]
+        step, version = self._all("load_checkpoint", str(directory), long=True)[0]
         return step, version
 
 
 def create_learner_group(cfg: Config) -> LearnerGroup:
     """The ``learner.num_ranks`` rank actors, started; ``GetTimeoutError`` when they are not within
     ``cluster.actor_setup_timeout_s`` (the ranks then are killed)."""
-    group = LearnerGroup(create_learner_actors(cfg))
+    group = LearnerGroup(create_learner_actors(cfg), cfg.cluster.actor_timeout_s, cfg.cluster.actor_setup_timeout_s)
     try:
         group.ready(cfg.cluster.actor_setup_timeout_s)
     except BaseException:

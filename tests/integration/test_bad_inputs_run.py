@@ -1,7 +1,7 @@
 """Issue 13 on real components (real Ray, vLLM CPU engine, DeepSpeed learner), started the way a user does: the
 ``async-agent-rl`` console script from an environment with no ``RAY_AUTH_*`` variable (cause 1).
 
-- The local Ray cluster that ``_ray_init`` starts keeps Ray's token authentication on, in the driver and in every
+- The local Ray cluster that ``ray_init`` starts keeps Ray's token authentication on, in the driver and in every
   worker, and refuses an unauthenticated HTTP request; if authentication were off, every listening socket of the
   cluster would have to be on loopback (cause 2).
 - One short training whose ``retriever.url`` points at a closed port: it warns about the failed searches while it
@@ -79,9 +79,9 @@ SOCKETS_SCRIPT = textwrap.dedent('''
     import json, os, subprocess, sys
     import psutil, ray
     from async_agent_rl.config import load_config
-    from driver.train import _ray_init
+    from driver.cluster import ray_init
 
-    _ray_init(load_config(None, ["cluster.num_cpus=1"]))
+    ray_init(load_config(None, ["cluster.num_cpus=1"]))
 
     @ray.remote(num_cpus=0)
     def worker_auth_mode():

@@ -27,7 +27,7 @@ from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.staleness import AdmissionState
 from async_agent_rl.stats import LearnerStats, PublishStats, RolloutStats, WeightUpdate
 from buffer.replay_buffer import ReplayBuffer
-from driver.train import LearningSignals
+from driver.console import LearningSignals
 from monitoring import metrics as M
 from monitoring.exporter import RunMonitoring, start_exporter, write_sd_file
 from async_agent_rl.search import Hit

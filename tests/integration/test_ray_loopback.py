@@ -1,4 +1,4 @@
-"""Issue 22, exposure: the local Ray cluster a run starts (``driver.train._ray_init``, as ``async-agent-rl train``
+"""Issue 22, exposure: the local Ray cluster a run starts (``driver.cluster.ray_init``, as ``async-agent-rl train``
 without ``cluster.ray_address`` does) listens on loopback only, in every one of its processes (GCS, raylet,
 dashboard and runtime-env agents, workers, actors), and runs with Ray's token authentication, as Ray itself reports
 it. Before, Ray rewrote the loopback node address to the host's routable one and its GCS, raylet, workers and agents
@@ -23,10 +23,10 @@ SCRIPT = textwrap.dedent('''
     import json, os
     import psutil, ray
     from async_agent_rl.config import load_config
-    from driver.train import _ray_init
+    from driver.cluster import ray_init
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
-    _ray_init(load_config(None, ["cluster.num_cpus=1"]))
+    ray_init(load_config(None, ["cluster.num_cpus=1"]))
 
     @ray.remote(num_cpus=0)
     class Probe:

@@ -17,7 +17,10 @@ from async_agent_rl.config import load_config
 from async_agent_rl.stats import RolloutStats
 from buffer.actor import create_buffer_actor
 from async_agent_rl.errors import error_line
-from driver.train import RunFailed, Trainer
+from driver.fleet import Fleet
+from driver.limits import RunFailed
+from driver.train import Trainer
+from driver.versions import PolicyVersions
 from driver.weight_sync import create_publisher
 from tests.helpers import traj
 
@@ -57,36 +60,38 @@ class SlowFirstIncarnation:
                             setups=self.setups, began=self.started)
 
 
-def supervised(cfg, tmp_path: Path, actor_cls: type, max_restarts: int = 1, quiet: bool = True) -> Trainer:
-    """A Trainer with a real buffer actor, one stand-in rollout actor (restartable ``max_restarts`` times by Ray,
-    ``actor_cls(0, marker)``) and an object-store publisher that is told of restarts; no monitoring."""
-    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=quiet)
-    trainer.mon = None
-    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
+def say(quiet: bool):
+    return (lambda line: None) if quiet else (lambda line: print(line, flush=True))
+
+
+def supervised(cfg, tmp_path: Path, actor_cls: type, max_restarts: int = 1, quiet: bool = True) -> Fleet:
+    """A fleet with a real buffer actor, one stand-in rollout actor (restartable ``max_restarts`` times by Ray,
+    ``actor_cls(0, marker)``) and an object-store publisher that is told of restarts."""
+    buffer = create_buffer_actor(cfg, pad_id=0)
     remote_cls = ray.remote(num_cpus=0, max_restarts=max_restarts)(actor_cls)
-    trainer.actors = [remote_cls.remote(0, str(tmp_path / "incarnated"))]
-    trainer.publisher = create_publisher("object_store", trainer.actors,  # a restarted actor is reported to it
-                                         actor_timeout_s=cfg.cluster.actor_timeout_s)
-    return trainer
+    actors = [remote_cls.remote(0, str(tmp_path / "incarnated"))]
+    publisher = create_publisher("object_store", actors,  # a restarted actor is reported to it
+                                 actor_timeout_s=cfg.cluster.actor_timeout_s)
+    return Fleet(cfg, say(quiet), buffer, actors, PolicyVersions(cfg, None, publisher, say(quiet)))
 
 
 def test_a_slow_actor_is_killed_before_it_is_set_up_again(tmp_path):
     cfg = load_config(None, ["cluster.actor_timeout_s=3", "rollout.group_size=2", "learner.batch_size=4",
                              "learner.mini_batch_size=4", "learner.micro_batch_size=4", "buffer.max_staleness=0"])
-    trainer = supervised(cfg, tmp_path, SlowFirstIncarnation)
-    slow = trainer.actors[0]
+    fleet = supervised(cfg, tmp_path, SlowFirstIncarnation)
+    slow = fleet.actors[0]
     first_pid = ray.get(slow.setup.remote())["pid"]
-    assert ray.get(trainer.buffer.try_start.remote(2, 0, "actor0-g", "actor0")) == 2
-    assert ray.get(trainer.buffer.try_start.remote(2, 0, "actor1-g", "actor1")) == 2
+    assert ray.get(fleet.buffer.try_start.remote(2, 0, "actor0-g", "actor0")) == 2
+    assert ray.get(fleet.buffer.try_start.remote(2, 0, "actor1-g", "actor1")) == 2
 
-    stats = trainer.supervise()[0]
+    stats = fleet.supervise()[0]
     assert stats.setups == 1 and stats.began, "the new incarnation is set up once and running"
-    assert trainer.restarts == {"actor0": 1} and trainer.lost_episodes == 2
+    assert fleet.restarts == {"actor0": 1} and fleet.lost_episodes == 2
     assert stats.pid != first_pid, "a new process, not the slow one"
     # a push the dead incarnation sent late is dropped; the other actor's pushes are unaffected
-    ray.get(trainer.buffer.push_many.remote([traj("actor0-g", 0)]))
-    ray.get(trainer.buffer.push_many.remote([traj("actor1-g", 0), traj("actor1-g", 1)]))
-    b = ray.get(trainer.buffer.stats.remote())
+    ray.get(fleet.buffer.push_many.remote([traj("actor0-g", 0)]))
+    ray.get(fleet.buffer.push_many.remote([traj("actor1-g", 0), traj("actor1-g", 1)]))
+    b = ray.get(fleet.buffer.stats.remote())
     assert b.late_pushes == 1 and b.admission.running == 0 and b.lost_episodes == {"actor0": 2}
 
 
@@ -143,22 +148,20 @@ def test_a_restart_on_the_collective_path_never_stamps_unpublished_weights(tmp_p
     ``weight_sync.every_steps=2`` the learner at step 5 holds weights no version was published for (version 2 is
     step 4's), so they are published as version 3 to every actor instead of reaching one stamped 2."""
     cfg = load_config(None, ["weight_sync.method=collective", "weight_sync.every_steps=2", "buffer.max_staleness=2"])
-    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
-    trainer.mon = None
-    trainer.buffer = create_buffer_actor(cfg, pad_id=0)
-    trainer.actors = [ray.remote(num_cpus=0)(Restartable).remote()]
-    trainer.learner, trainer.publisher = StandInLearner(version=2), RecordingPublisher()
-    trainer.version, trainer.published_step, trainer.step = 2, 4, step
+    versions = PolicyVersions(cfg, StandInLearner(version=2), RecordingPublisher(), say(True))
+    versions.version, versions.published_step, versions.learner_step = 2, 4, step
+    fleet = Fleet(cfg, say(True), create_buffer_actor(cfg, pad_id=0), [ray.remote(num_cpus=0)(Restartable).remote()],
+                  versions)
 
-    trainer._restart_actor(0)
-    updates, started = ray.get(trainer.actors[0].seen.remote())
-    assert started and trainer.publisher.restarted == 1
+    fleet.restart(0)
+    updates, started = ray.get(fleet.actors[0].seen.remote())
+    assert started and versions.publisher.restarted == 1
     if republished:
-        assert updates == [] and trainer.publisher.published == [3] and trainer.version == 3
-        assert trainer.published_step == 5
+        assert updates == [] and versions.publisher.published == [3] and versions.version == 3
+        assert versions.published_step == 5
     else:  # the learner's weights are version 2's
-        assert updates == [(2, {"weights_of_version": 2})] and trainer.publisher.published == []
-        assert trainer.version == 2
+        assert updates == [(2, {"weights_of_version": 2})] and versions.publisher.published == []
+        assert versions.version == 2
 
 
 PUSH_FAILED = "RolloutFailure: rollout worker actor0: pushing finished episodes failed: ConnectionError: buffer gone"
@@ -176,34 +179,34 @@ class StoppedGenerating(SlowFirstIncarnation):
                             done=self.first and self.setups > 0, pid=os.getpid(), setups=self.setups, began=self.started)
 
 
-def stopped_actor_trainer(tmp_path, max_restarts: int) -> Trainer:
+def stopped_actor_fleet(tmp_path, max_restarts: int) -> Fleet:
     cfg = load_config(None, [f"cluster.max_actor_restarts={max_restarts}", "cluster.actor_timeout_s=10",
                              "rollout.group_size=2", "learner.batch_size=4", "learner.mini_batch_size=4",
                              "learner.micro_batch_size=4"])
-    trainer = supervised(cfg, tmp_path, StoppedGenerating, max_restarts=max_restarts, quiet=False)
-    ray.get(trainer.actors[0].setup.remote())
-    return trainer
+    fleet = supervised(cfg, tmp_path, StoppedGenerating, max_restarts=max_restarts, quiet=False)
+    ray.get(fleet.actors[0].setup.remote())
+    return fleet
 
 
 def test_an_actor_that_stopped_generating_is_restarted_with_its_cause_on_the_console(tmp_path, capsys):
     """Issue 22: supervision read only ``ready``; an actor alive but done (its push failed) was left alone and the
     run waited for batches forever."""
-    trainer = stopped_actor_trainer(tmp_path, max_restarts=1)
-    first_pid = ray.get(trainer.actors[0].stats.remote()).pid
+    fleet = stopped_actor_fleet(tmp_path, max_restarts=1)
+    first_pid = ray.get(fleet.actors[0].stats.remote()).pid
     t0 = time.monotonic()
-    stats = trainer.supervise()[0]
+    stats = fleet.supervise()[0]
     assert time.monotonic() - t0 < 30
     assert stats.pid != first_pid and stats.setups == 1 and stats.began and not stats.done
-    assert trainer.restarts == {"actor0": 1}
+    assert fleet.restarts == {"actor0": 1}
     out = capsys.readouterr().out
     assert f"[fault] rollout actor 0: stopped generating: {PUSH_FAILED}; restarting it" in out
 
 
 def test_an_actor_that_stopped_generating_with_no_restart_left_ends_the_run_in_one_error_line(tmp_path):
-    trainer = stopped_actor_trainer(tmp_path, max_restarts=0)
+    fleet = stopped_actor_fleet(tmp_path, max_restarts=0)
     t0 = time.monotonic()
     with pytest.raises(RunFailed) as info:
-        trainer.supervise()
+        fleet.supervise()
     assert time.monotonic() - t0 < 10, "within seconds"
     assert error_line(info.value) == (f"error: rollout actor 0: stopped generating: {PUSH_FAILED} (restarted 0 "
                                       "time(s) already, cluster.max_actor_restarts=0)")
@@ -223,11 +226,11 @@ def test_a_restarted_actor_that_is_not_set_up_in_time_ends_the_run_in_one_error_
     traceback. Now ``cluster.actor_setup_timeout_s`` bounds it and the run ends in one error line naming the key."""
     cfg = load_config(None, ["cluster.actor_timeout_s=3", "cluster.actor_setup_timeout_s=5", "rollout.group_size=2",
                              "learner.batch_size=4", "learner.mini_batch_size=4", "learner.micro_batch_size=4"])
-    trainer = supervised(cfg, tmp_path, SlowSecondSetup)
-    ray.get(trainer.actors[0].setup.remote())
+    fleet = supervised(cfg, tmp_path, SlowSecondSetup)
+    ray.get(fleet.actors[0].setup.remote())
     t0 = time.monotonic()
     with pytest.raises(RunFailed) as err:
-        trainer.supervise()
+        fleet.supervise()
     assert time.monotonic() - t0 < 40
     line = error_line(err.value)
     assert "cluster.actor_setup_timeout_s=5" in line and "\n" not in line
@@ -248,16 +251,17 @@ def test_a_publish_to_a_hung_actor_fails_in_time_and_supervision_restarts_it(tmp
     the publish waited forever for the stopped actor (no limit, and the watchdog does not count publishes)."""
     cfg = load_config(None, ["cluster.actor_timeout_s=4", "rollout.group_size=2", "learner.batch_size=4",
                              "learner.mini_batch_size=4", "learner.micro_batch_size=4"])
-    trainer = supervised(cfg, tmp_path, HangsOnWeights, quiet=False)
-    first_pid = ray.get(trainer.actors[0].setup.remote())["pid"]
-    trainer.version, trainer.weights_ref = 1, ray.put({"w": 1})
+    fleet = supervised(cfg, tmp_path, HangsOnWeights, quiet=False)
+    first_pid = ray.get(fleet.actors[0].setup.remote())["pid"]
+    versions = fleet.versions
+    versions.version, versions.weights_ref = 1, ray.put({"w": 1})
     t0 = time.monotonic()
-    assert trainer.publish() is None and trainer.publish_failures == 1
+    assert versions.publish() is None and versions.publish_failures == 1
     assert time.monotonic() - t0 < 15
     assert "did not apply version 1 within 4 s" in capsys.readouterr().out
-    stats = trainer.supervise()[0]
+    stats = fleet.supervise()[0]
     assert time.monotonic() - t0 < 60
-    assert stats.pid != first_pid and stats.setups == 1 and stats.began and trainer.restarts == {"actor0": 1}
+    assert stats.pid != first_pid and stats.setups == 1 and stats.began and fleet.restarts == {"actor0": 1}
 
 
 @ray.remote(num_cpus=0)
@@ -283,6 +287,8 @@ def test_a_buffer_that_stopped_answering_ends_a_checkpoint_in_one_error_line_and
     cfg = load_config(None, ["cluster.actor_timeout_s=3"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
     trainer.mon, trainer.buffer, trainer.learner, trainer.step = None, StoppedBuffer.remote(), SavesCheckpoint(), 2
+    trainer.versions = PolicyVersions(cfg, trainer.learner, None, say(True))
+    trainer.fleet = Fleet(cfg, say(True), trainer.buffer, [], trainer.versions)
     t0 = time.monotonic()
     with pytest.raises(RunFailed) as err:
         trainer.checkpoint()
@@ -299,7 +305,7 @@ class AnswersLate:
     def __init__(self, answer_after_s: float):
         self.answer_after_s = answer_after_s
 
-    def train_step(self, batch):
+    def train_step(self, batch, timeout_s=None):
         got = ray.get(batch)
         time.sleep(self.answer_after_s)
         return None if got is None else "stats"
@@ -315,7 +321,9 @@ class IdleBuffer:
 def stalled_trainer(tmp_path, learner) -> Trainer:
     cfg = load_config(None, ["cluster.progress_timeout_s=1"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
-    trainer.mon, trainer.buffer, trainer.learner, trainer.actors, trainer.step = None, IdleBuffer.remote(), learner, [], 1
+    trainer.mon, trainer.buffer, trainer.learner, trainer.step = None, IdleBuffer.remote(), learner, 1
+    trainer.versions = PolicyVersions(cfg, learner, None, say(True))
+    trainer.fleet = Fleet(cfg, say(True), trainer.buffer, [], trainer.versions)
     trainer.watchdog.waiting()
     time.sleep(1.5)
     assert trainer.watchdog.expired()
@@ -355,3 +363,58 @@ def test_learner_ranks_ray_cannot_place_end_the_start_in_one_error_line_in_time(
     assert error_line(err.value) == (
         "error: the 1 learner actor(s) were not started within cluster.actor_setup_timeout_s=3 s (each asks Ray for "
         "cluster.learner_cpus=64, learner_gpus=0; the cluster has 2 CPUs, 0 GPUs)")
+
+
+@ray.remote(num_cpus=0)
+class StoppedLearnerRank:
+    """A learner rank stopped (SIGSTOP) while it saves a checkpoint: the call is taken and never answered."""
+
+    def save_checkpoint(self, folder):
+        time.sleep(120)
+
+
+def test_a_learner_that_stopped_during_a_checkpoint_ends_the_run_in_one_error_line_in_time(tmp_path):
+    """Issue 31: the learner's save had no limit (``LearnerGroup`` waited with a bare ``ray.get``): a learner stopped
+    while it saved held the driver for good. Now the group's long limit (``cluster.actor_setup_timeout_s``) ends it
+    with one error line naming the learner's call, and the partial copy is removed."""
+    from learner.actor import LearnerGroup, LearnerTimeout
+
+    cfg = load_config(None, ["cluster.actor_timeout_s=3", "cluster.actor_setup_timeout_s=4"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
+    trainer.mon, trainer.buffer, trainer.step = None, IdleBuffer.remote(), 2
+    trainer.learner = LearnerGroup([StoppedLearnerRank.remote()], 3, 4)
+    trainer.versions = PolicyVersions(cfg, trainer.learner, None, say(True))
+    trainer.fleet = Fleet(cfg, say(True), trainer.buffer, [], trainer.versions)
+    t0 = time.monotonic()
+    with pytest.raises(LearnerTimeout) as err:
+        trainer.checkpoint()
+    assert time.monotonic() - t0 < 15
+    assert error_line(err.value) == ("error: the learner (save_checkpoint) did not answer within "
+                                     "cluster.actor_setup_timeout_s=4 s (hung or stopped)")
+    assert not list((tmp_path / "run").glob("checkpoints/*")), "no partial checkpoint is left"
+
+
+class SlowToStop(SlowFirstIncarnation):
+    """Its in-flight episodes take far longer to finish than stopping allows."""
+
+    def stop(self, timeout_s):
+        time.sleep(60)
+
+
+def test_a_finished_run_whose_actor_is_slow_to_stop_goes_on_with_its_last_stats(tmp_path, capsys):
+    """Issue 31: stopping the rollouts was bounded by ``cluster.actor_timeout_s`` while an actor's ``stop`` itself
+    may wait as long for its in-flight episodes, so a run whose steps were all done could end in error without
+    ``final/``. Now an actor that does not stop in time is left to Ray's shutdown, said in one line, and its last
+    stats stand for it."""
+    cfg = load_config(None, ["cluster.actor_timeout_s=2", "rollout.max_response_length=16", "rollout.max_obs_length=16",
+                             "rollout.max_tokens_per_turn=16", "rollout.group_size=2",
+                             "learner.batch_size=4", "learner.mini_batch_size=4", "learner.micro_batch_size=4"])
+    fleet = supervised(cfg, tmp_path, SlowToStop)
+    ray.get(fleet.actors[0].setup.remote())
+    last = fleet.supervise()
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=False)
+    trainer.fleet = fleet
+    t0 = time.monotonic()
+    assert trainer.stop_rollouts() == last
+    assert time.monotonic() - t0 < 30
+    assert "[warn] rollout actor 0 did not stop within 2 s; its in-flight episodes are dropped" in capsys.readouterr().out

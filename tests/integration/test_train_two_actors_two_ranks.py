@@ -106,17 +106,17 @@ class RecordingLearnerGroup(LearnerGroup):
     ranks had before it, and each published state."""
 
     def __init__(self, actors: list, rec: Recording):
-        super().__init__(actors)
+        super().__init__(actors, 120.0, 900.0)
         self.rec = rec
 
-    def train_step(self, batch):
+    def train_step(self, batch, timeout_s=None):
         consumed = ray.get(batch) if isinstance(batch, ray.ObjectRef) else batch
         if consumed is None:  # no batch within the buffer's timeout: the ranks get None as well
-            return super().train_step(batch)
+            return super().train_step(batch, timeout_s)
         before = owned(ray.get(LearnerGroup.state_dict_ref(self)))
         # a lambda travels by value (Ray workers cannot import a test module)
         versions = ray.get([a.__ray_call__.remote(lambda rank: rank.learner.version) for a in self.actors])
-        stats = super().train_step(batch)  # the buffer's reference, as the driver passed it
+        stats = super().train_step(batch, timeout_s)  # the buffer's reference, as the driver passed it
         if stats is not None:
             self.rec.steps.append(Step(owned_batch(consumed), before, versions, stats))
         return stats
@@ -175,10 +175,11 @@ def recording_trainer(cfg, rec: Recording):
     class RecordingTrainer(Trainer):
         def start_components(self, stack) -> None:
             super().start_components(stack)
-            self.learner = RecordingLearnerGroup(self.learner.actors, rec)
-            if hasattr(self.publisher, "learner"):  # the collective path sends from the (recording) learner group
-                self.publisher.learner = self.learner
-            self.publisher = RecordingPublisher(self.publisher, rec)
+            self.learner = self.versions.learner = RecordingLearnerGroup(self.learner.actors, rec)
+            publisher = self.versions.publisher
+            if hasattr(publisher, "learner"):  # the collective path sends from the (recording) learner group
+                publisher.learner = self.learner
+            self.versions.publisher = RecordingPublisher(publisher, rec)
 
         def stop_rollouts(self) -> list[RolloutStats]:
             out = super().stop_rollouts()

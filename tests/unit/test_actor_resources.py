@@ -7,7 +7,7 @@ import pytest
 
 from async_agent_rl.config import load_config
 from async_agent_rl.errors import InputError, error_line
-from driver.train import check_actors_fit
+from driver.cluster import check_actors_fit
 
 pytestmark = pytest.mark.unit
 

@@ -146,3 +146,38 @@ def test_methods_by_name():
         create_publisher("collective", [])
     with pytest.raises(ValueError, match="allowed: object_store, collective"):
         create_publisher("carrier_pigeon", [])
+
+
+@ray.remote
+def _never_answers(seconds):
+    import time
+
+    time.sleep(seconds)
+
+
+class Stopped(Call):
+    """A call to a rollout actor stopped by SIGSTOP: accepted, never answered."""
+
+    def remote(self, *args):
+        self.log.append((self.name, args))
+        return _never_answers.remote(60)
+
+
+def test_a_publish_to_a_stopped_actor_fails_within_the_collective_timeout():
+    """Issue 31: the collective publish waited for its members with no limit (its ``ray.get`` calls), so an engine
+    stopped between steps held the driver for good. Now each wait ends after ``weight_sync.timeout_s`` with a
+    ``PublishTimeout`` (which the driver counts as a failed publish), the prepared copy released."""
+    import time
+
+    from driver.weight_sync import PublishTimeout
+
+    log = []
+    actor = FakeActor(log)
+    actor.check_weight_specs = Stopped(log, "check", None)
+    pub = CollectivePublisher([actor], FakeLearner(log), backend="gloo", timeout_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(PublishTimeout, match=r"checking the specs of version 1: a member did not answer within "
+                                             r"weight_sync.timeout_s=2 s"):
+        pub.publish(1)
+    assert time.monotonic() - t0 < 10
+    assert names(log)[-1] == "discard", log

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from async_agent_rl.stats import BufferStats, LearnerStats, RolloutStats
-from driver.train import LearningSignals
+from driver.console import LearningSignals
 
 pytestmark = pytest.mark.unit
 

@@ -28,7 +28,7 @@ from async_agent_rl.stats import (
 )
 from buffer.actor import BufferActor
 from buffer.replay_buffer import ReplayBuffer
-from driver.train import LearningSignals
+from driver.console import LearningSignals
 from monitoring import build_dashboard, metrics as M
 from monitoring.exporter import prometheus_config, sd_groups, write_sd_file
 from monitoring.prom import DASHBOARD, dashboard_queries, expand_grafana_vars

@@ -11,7 +11,8 @@ import pytest
 from async_agent_rl.config import ConfigError, load_config
 from async_agent_rl.errors import error_line
 from async_agent_rl.stats import AdmissionStats, BufferStats, RolloutStats
-from driver.train import PROGRESS_FLOOR_S, ProgressWatchdog, RunFailed, stall_message
+from driver.fleet import stall_message
+from driver.limits import PROGRESS_FLOOR_S, ProgressWatchdog, RunFailed
 
 from tests.helpers import Clock
 
@@ -95,6 +96,9 @@ def test_an_admission_that_grants_nothing_is_named_with_every_components_state()
      "blocked: rollout actor 0 (not answering)"),
     ("waiting for a batch (idle)", buffer(running=5), [actor(0, running=5)],
      "blocked: the rollout actors (5 episodes running, no batch completed)"),
+    # issue 31: finished episodes that were not pushed are the actors' pushes, not admission (running counts none)
+    ("waiting for a batch (idle)", buffer(running=4), [actor(0, running=0, started=12, finished=12, pushed=8)],
+     "blocked: the rollout actors' pushes (4 finished episodes not pushed to the buffer)"),
 ])  # fmt: skip
 def test_the_blocked_component_is_named(learner, buf, actors, blocked):
     msg = stall_message(step=4, waited=700, limit=600, configured=False, learner=learner, buffer=buf, actors=actors,

@@ -11,7 +11,8 @@ import pytest
 from async_agent_rl.config import load_config
 from async_agent_rl.errors import error_line
 from async_agent_rl.stats import PublishStats
-from driver.train import PUBLISH_FAILURES_FATAL, RunFailed, Trainer
+from driver.limits import RunFailed
+from driver.versions import PUBLISH_FAILURES_FATAL, PolicyVersions
 from driver.weight_sync import WeightsRefused
 
 pytestmark = pytest.mark.unit
@@ -30,15 +31,13 @@ class FlakyPublisher:
         return PublishStats(version, "object_store", 0.1, 0.0, 0, 1, [])
 
 
-def trainer(tmp_path, publisher) -> Trainer:
-    t = Trainer(load_config(None), run_dir=tmp_path / "run", quiet=False)
-    t.publisher = publisher
-    return t
+def versions_with(tmp_path, publisher) -> PolicyVersions:
+    return PolicyVersions(load_config(None), None, publisher, lambda line: print(line, flush=True))
 
 
 def test_a_failed_publish_is_printed_with_its_cause_and_a_success_resets_the_count(tmp_path, capsys):
     refused = WeightsRefused("rollout actor 0: no tensor model.norm.weight in the engine")
-    t = trainer(tmp_path, FlakyPublisher({1, 2, 4, 5}, refused))
+    t = versions_with(tmp_path, FlakyPublisher({1, 2, 4, 5}, refused))
     for version in range(1, 7):
         t.version = version
         assert (t.publish() is None) == (version in {1, 2, 4, 5})
@@ -49,7 +48,7 @@ def test_a_failed_publish_is_printed_with_its_cause_and_a_success_resets_the_cou
 
 
 def test_publishes_that_keep_failing_end_the_run_in_one_error_line(tmp_path):
-    t = trainer(tmp_path, FlakyPublisher(set(range(100)), OSError(28, "No space left on device")))
+    t = versions_with(tmp_path, FlakyPublisher(set(range(100)), OSError(28, "No space left on device")))
     for version in range(1, PUBLISH_FAILURES_FATAL):
         t.version = version
         assert t.publish() is None

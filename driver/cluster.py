@@ -1,0 +1,155 @@
+"""The Ray cluster a run uses: connecting to ``cluster.ray_address`` (or the job's cluster under ``ray job
+submit``), else starting a local one bound to loopback with token authentication; the check that every actor of the
+run fits on it; the link from the run folder to the session's logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import ray
+from ray._private.worker import global_worker
+
+from async_agent_rl.config import Config
+from async_agent_rl.errors import InputError
+
+log = logging.getLogger(__name__)
+
+
+def check_actors_fit(cfg: Config, resources: dict[str, float]) -> None:
+    """On the local cluster the run starts, every actor must fit at once (a dead rollout actor's share is freed
+    for its restart): Ray leaves an actor it cannot place pending for ever. One ``InputError`` naming the keys."""
+    for res in ("CPU", "GPU"):
+        parts = cfg.actor_asks(res)
+        need, have = sum(n * each for _, n, each in parts), resources.get(res, 0.0)
+        if need > have + 1e-9:
+            detail = ", ".join(f"{name} {n} x {each:g}" for name, n, each in parts if each)
+            fix = "raise cluster.num_cpus or lower cluster.*_cpus" if res == "CPU" else "lower cluster.*_gpus"
+            raise InputError(f"the run's actors ask the local Ray cluster for {need:g} {res}s ({detail}) and it has "
+                             f"{have:g}: {fix}")
+
+
+def resources_line(res: dict) -> str:
+    return f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs"
+
+
+def job_env_vars() -> dict[str, str] | None:
+    """The runtime-env variables of the ``ray job submit`` job this driver runs in, or None outside a job."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if raw is None:
+        return None
+    try:
+        return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
+    except (ValueError, AttributeError):
+        return {}
+
+
+def ray_init(cfg: Config) -> None:
+    """Connect to ``cluster.ray_address`` (or the job's cluster under ``ray job submit``), else start a local Ray.
+
+    Authentication is Ray's own token authentication and is never turned off here: a local ``ray.init`` turns it on
+    (creating ``~/.ray/auth_token`` once) and every process of the cluster, workers included, inherits it.
+    ``RAY_AUTH_MODE`` is never put into the workers' runtime env, which is what used to get them rejected. Ray binds
+    the local cluster's gRPC servers to every interface (it rewrites a loopback node address to the host's), so a
+    local cluster with authentication disabled would let anyone on the network run code here: refused.
+    """
+    if ray.is_initialized():
+        return
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if not address and mode is not None and mode.lower() != "token":  # Ray: any set value but "token" is no auth
+        raise InputError(f"RAY_AUTH_MODE={mode!r} would start a local Ray cluster that listens on every network "
+                         "interface without authentication (Ray turns authentication on only for RAY_AUTH_MODE=token "
+                         "or unset); unset it or set it to token")
+    if any(k.startswith("RAY_AUTH") for k in cfg.cluster.env_vars):
+        raise InputError("cluster.env_vars: RAY_AUTH_* must not be set per worker (workers whose mode differs from "
+                         "the cluster's are rejected); set it in the environment of `ray start` instead")
+    env = dict(cfg.cluster.env_vars)
+    if cfg.run.device == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    job_env = job_env_vars()
+    if job_env is not None:
+        env = {k: v for k, v in env.items() if k not in job_env}  # Ray refuses to merge a key the job's env sets
+        if not Path(cfg.run.output_dir).is_absolute():
+            log.warning("run.output_dir=%r is relative: under `ray job submit` it lands in the job's temporary copy "
+                        "of the working dir; pass an absolute run.output_dir to keep the run", cfg.run.output_dir)
+    if address:
+        check_address(cfg)
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+    else:
+        loopback_only()
+        if cfg.run.device != "cpu":  # one machine: NCCL's bootstrap and socket transport stay on loopback too
+            env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        # the actors' output (vLLM, DeepSpeed, Ray) stays in the session's log folder, linked from the run folder
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
+                 log_to_driver=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
+        require_token_auth()
+
+
+LOOPBACK = "127.0.0.1"
+CONNECT_TIMEOUT_S = 10.0
+
+
+def check_address(cfg: Config) -> None:
+    """The run's Ray address (``cluster.ray_address``, else ``RAY_ADDRESS``), if any, answers (``check_answers``):
+    checked before the run prepares anything, so a typo costs seconds, not a warm start and Ray's retries."""
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if address and os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") is None:  # a job's own cluster is there
+        check_answers(address, "cluster.ray_address" if cfg.cluster.ray_address else "RAY_ADDRESS")
+
+
+def check_answers(address: str, key: str) -> None:
+    """``InputError`` when nothing listens at the Ray address ``address`` (``host:port`` or ``ray://host:port``;
+    ``auto`` is Ray's to find): Ray itself retries such an address for many minutes, printing reconnect warnings."""
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise InputError(f"{key}={address!r}: not a Ray address (host:port, ray://host:port or auto)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise InputError(f"{key}={address}: no Ray cluster answers there ({e.strerror or e}); start one with "
+                         "`ray start --head` or fix the address") from None
+
+
+def loopback_only() -> None:
+    """Make the local cluster Ray is about to start bind loopback only: its GCS, raylet, workers and agents listen
+    on the node's address, and Ray 2.60 rewrites a loopback ``_node_ip_address`` to the host's routable one unless
+    "clusters" are off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's switch for single-machine Windows and macOS,
+    read by ``ray._private.services.get_node_ip_address``). Ray reads that variable once at import: the driver's
+    copy of the constant is set too, and the variable goes to every process the cluster starts."""
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def require_token_auth() -> None:
+    """The mode the started cluster really runs in (Ray's own report, not the environment): anything but token
+    authentication is refused, the cluster shut down."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token authentication
+        ray.shutdown()
+        raise InputError(f"Ray {ray.__version__} has no token authentication; the project needs Ray >= 2.52") from None
+    if not is_token_auth_enabled():
+        ray.shutdown()
+        raise InputError("the local Ray cluster started without token authentication (Ray reports another mode); "
+                         "check RAY_AUTH_MODE and ~/.ray/auth_token")
+
+
+def link_ray_logs(link: Path) -> None:
+    """``link`` -> this Ray session's log folder (every actor's stdout and stderr), replacing an older link."""
+    node = getattr(global_worker, "node", None)
+    logs = node.get_logs_dir_path() if node is not None else None
+    if not logs or not Path(logs).is_dir():
+        return
+    if link.is_symlink():
+        link.unlink()
+    if not link.exists():
+        link.symlink_to(Path(logs).resolve(), target_is_directory=True)

@@ -1,0 +1,253 @@
+"""The fleet supervisor: the rollout actors (and their engines), the retrieval server the run started, the episodes
+lost with a dead actor, restarts, and the report of a stalled run.
+
+``Fleet.supervise()`` is called once per RL step and every few seconds while the learner waits for a batch. It
+reads every rollout actor's stats and restarts an actor that died, stopped answering, or is alive but stopped
+generating; a restarted actor's in-flight episodes are counted lost (the buffer frees their admission) and it gets
+the current policy version from ``PolicyVersions.catch_up`` before it runs again. Once ``cluster.max_actor_restarts``
+restarts of an actor are used up, the next problem ends the run in one ``error:`` line. The retrieval server the
+run started is restarted on its port when it exits or stops answering ``/health``.
+
+``Fleet.stall_report`` is the one line a stalled run ends with (``stall_message``): which component is blocked and
+the state of every component.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Callable, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from async_agent_rl.config import Config
+from async_agent_rl.stats import BufferStats, DriverStats, RolloutStats, RunTotals
+from driver.limits import PROGRESS_FLOOR_S, PROGRESS_STEPS, REPORT_TIMEOUT_S, RunFailed, ask, cause
+from driver.versions import PolicyVersions
+
+RETRIEVER_HEALTH_TIMEOUT_S = 10.0  # the run's retrieval server must answer GET /health within this, or is restarted
+NOT_SET_UP = "restarted by Ray, not set up"
+
+
+def run_totals(stats: RolloutStats) -> dict[str, float]:
+    """The rollout totals metrics.jsonl keeps per actor and for the run (``episodes_total``, ``em_sum_total``, ...)."""
+    return {"finished": stats.finished, "em_sum": stats.exact_match_sum or 0.0,
+            "generated_tokens": stats.generated_tokens, "searches": stats.searches,
+            "search_errors": stats.search_errors}
+
+
+class Fleet:
+    """The run's rollout actors (Ray handles, restartable ``cluster.max_actor_restarts`` times), the buffer they
+    feed (told of lost episodes), the retrieval server the run started (None: the user's URL) and the policy
+    versions (a restarted actor catches up). ``on_restart``: called after each restart (the monitor's counters);
+    ``local_cluster``: the run started its own Ray on this machine (a hung actor's process may be SIGKILLed)."""
+
+    def __init__(self, cfg: Config, say: Callable[[str], None], buffer: Any, actors: Sequence[Any],
+                 versions: PolicyVersions, retriever: Any = None, local_cluster: bool = False,
+                 on_restart: Callable[[], None] | None = None):
+        self.cfg, self.say, self.buffer, self.actors = cfg, say, buffer, list(actors)
+        self.versions, self.retriever, self.local_cluster, self.on_restart = versions, retriever, local_cluster, on_restart
+        self.restarts: dict[str, int] = {}  # the run's restarts per actor (a resume's included)
+        self.lost_episodes = 0
+        self.totals = RunTotals()  # the run's rollout totals (run_totals), restarted actors and a resume included
+        self._ray_restarts: dict[int, int] = {}  # restarts of the actors this process made (a resume's start from 0)
+        self._pids: dict[int, int] = {}  # each rollout actor's process, as it last reported
+        self._pushes: dict[int, tuple[str, int, float | None]] = {}  # actor -> (incarnation, pushed, when it rose)
+        self.last_stats: list[RolloutStats] = []  # every actor's stats at the last supervise()
+
+    def driver_stats(self) -> DriverStats:
+        restarts = {f"actor{i}": self.restarts.get(f"actor{i}", 0) for i in range(len(self.actors))}
+        return DriverStats(self.lost_episodes, restarts)
+
+    # ------------------------------------------------------------------------------------------------ supervision
+    def supervise(self) -> list[RolloutStats]:
+        """Every rollout actor's stats (folded into the run's totals); an actor that died (or stopped answering) is
+        restarted, its in-flight episodes counted lost, and it gets the current weights before it runs again. One
+        that stopped answering may still be alive: it is killed first (Ray restarts it), so ``setup()`` never builds
+        a second engine in a live incarnation and it generates nothing more; a push it sent before dying is dropped
+        by the buffer as late.
+
+        One that is alive but stopped generating (``stats.done``: its push to the buffer failed, or its report of a
+        lost episode, or admission) is killed and restarted the same way, its cause on the console. Once
+        ``cluster.max_actor_restarts`` restarts of an actor are used up, the next problem ends the run with
+        ``RunFailed`` naming the actor and the cause (one ``error:`` line), instead of a run that waits forever."""
+        self.supervise_retriever()
+        out = []
+        limit = self.cfg.cluster.actor_timeout_s
+        for i, actor in enumerate(self.actors):
+            kill = False
+            try:
+                stats = ray.get(actor.stats.remote(), timeout=limit)
+                problem = None if stats.ready else NOT_SET_UP
+                if stats.ready and stats.done:  # alive, but generates nothing more: the run would wait forever
+                    why = ray.get(actor.error.remote(), timeout=limit)
+                    problem, kill = f"stopped generating: {why}", True
+            except (RayActorError, GetTimeoutError) as e:
+                problem = type(e).__name__
+                kill = isinstance(e, GetTimeoutError)  # silent, perhaps only slow: stop this incarnation first
+            if problem:
+                used, allowed = self._ray_restarts.get(i, 0), self.cfg.cluster.max_actor_restarts
+                if used >= allowed and problem != NOT_SET_UP:
+                    raise RunFailed(f"rollout actor {i}: {problem} (restarted {used} time(s) already, "
+                                    f"cluster.max_actor_restarts={allowed})")
+                self.say(f"[fault] rollout actor {i}: {problem}; restarting it")
+                if kill:
+                    self._end_hung_process(i)
+                    ray.kill(actor, no_restart=False)
+                self.restart(i)
+                stats = ask(actor.stats.remote(), limit, f"rollout actor {i}, just restarted,")
+            self.totals.report(f"actor{stats.index}", stats.incarnation, run_totals(stats))
+            self.note_pushes(i, stats)
+            out.append(stats)
+        self.last_stats = out
+        return out
+
+    def restart(self, i: int) -> None:
+        """Rollout actor ``i``, whose process Ray restarts: its in-flight episodes are counted lost, it is set up
+        again within ``cluster.actor_setup_timeout_s``, catches up with the policy version and runs again."""
+        actor, actor_id = self.actors[i], f"actor{i}"
+        lost = ask(self.buffer.actor_lost.remote(actor_id), self.cfg.cluster.actor_timeout_s, "the buffer actor")
+        self.lost_episodes += lost
+        self.restarts[actor_id] = self.restarts.get(actor_id, 0) + 1
+        self._ray_restarts[i] = self._ray_restarts.get(i, 0) + 1
+        limit = self.cfg.cluster.actor_setup_timeout_s
+        deadline = time.monotonic() + limit
+        while True:  # Ray re-runs __init__ in a new process (max_restarts); wait until it answers and is set up
+            try:
+                ray.get(actor.setup.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except (RayActorError, GetTimeoutError) as e:
+                if time.monotonic() >= deadline:
+                    raise RunFailed(f"rollout actor {i} was not set up again within cluster.actor_setup_timeout_s="
+                                    f"{limit:g} s after a restart ({type(e).__name__})") from None
+                time.sleep(1.0)
+        self.versions.catch_up(actor, i)
+        ask(actor.start.remote(), self.cfg.cluster.actor_timeout_s, f"rollout actor {i}, just restarted,")
+        self.say(f"[fault] rollout actor {i} restarted at version {self.versions.version}; {lost} in-flight "
+                 "episodes lost")
+        if self.on_restart is not None:
+            self.on_restart()
+
+    def supervise_retriever(self) -> None:
+        """The retrieval server the run started is restarted on its port (the actors' URL stays valid) when it
+        exited or stopped answering ``/health`` (hung, SIGSTOP); a restart that fails ends the run in one error line.
+        Searches made meanwhile failed and were counted (error observations), as in any outage."""
+        if self.retriever is None:
+            return
+        problem = self.retriever.healthy(RETRIEVER_HEALTH_TIMEOUT_S)
+        if problem is None:
+            return
+        try:
+            url = self.retriever.restart()
+        except Exception as e:  # noqa: BLE001 - reported as the run's end
+            raise RunFailed(f"retrieval server {problem} and could not be restarted: {cause(e)}") from None
+        self.say(f"[fault] retrieval server {problem}; restarted on {url} ({self.retriever.restarts} restart(s))")
+
+    def _end_hung_process(self, i: int) -> None:
+        """SIGKILL rollout actor ``i``'s process when it runs on this machine (a local cluster): a stopped or hung
+        process never acts on ``ray.kill``'s request, and Ray would not restart it."""
+        pid = self._pids.get(i)
+        if pid and self.local_cluster:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def note_pushes(self, i: int, stats: RolloutStats) -> None:
+        if stats.pid:
+            self._pids[i] = stats.pid
+        prev = self._pushes.get(i)
+        if prev is None or prev[0] != stats.incarnation or stats.pushed > prev[1]:
+            when = time.monotonic() if stats.pushed > 0 else (prev[2] if prev else None)
+            self._pushes[i] = (stats.incarnation, stats.pushed, when)
+
+    # ------------------------------------------------------------------------------------------------ stall report
+    def stall_report(self, *, step: int, waited: float, limit: float, learner: str, checkpoint: Callable[[], str] | None,
+                     floor: float = PROGRESS_FLOOR_S) -> RunFailed:
+        """What ends a run in which no step completed within the watchdog's limit: the state of every component in
+        one line. ``checkpoint``: saves one and returns what to say of it (called only when the buffer answers);
+        None when the learner or the buffer is busy."""
+        timeout = REPORT_TIMEOUT_S
+        buffer: BufferStats | str
+        try:
+            buffer = ray.get(self.buffer.stats.remote(), timeout=timeout)
+        except GetTimeoutError:
+            buffer = f"not answering (stats() took more than {timeout:.0f} s)"
+        except ray.exceptions.RayError as e:
+            buffer = f"failed: {cause(e)}"
+        actors: list[RolloutStats | str] = []
+        for i, actor in enumerate(self.actors):
+            try:
+                stats = ray.get(actor.stats.remote(), timeout=timeout)
+                self.note_pushes(i, stats)
+                actors.append(stats)
+            except GetTimeoutError:
+                actors.append(f"not answering (stats() took more than {timeout:.0f} s)")
+            except ray.exceptions.RayError as e:
+                actors.append(f"failed: {cause(e)}")
+        now = time.monotonic()
+        pushes = [now - p[2] if (p := self._pushes.get(i)) and p[2] is not None else None
+                  for i in range(len(self.actors))]
+        last = self.versions.last_publish
+        publish = None if last is None else (last[0], now - last[1])
+        if checkpoint is not None and not isinstance(buffer, str):
+            try:
+                saved = checkpoint()
+            except Exception as e:  # noqa: BLE001 - the stall is what the line reports; the save is a bonus
+                saved = f"checkpoint failed: {cause(e)}"
+        else:
+            saved = "no checkpoint (the learner or the buffer is busy)"
+        return RunFailed(stall_message(
+            step=step, waited=waited, limit=limit, configured=self.cfg.cluster.progress_timeout_s is not None,
+            learner=learner, buffer=buffer, actors=actors, last_push_s=pushes, last_publish=publish,
+            checkpoint=saved, floor=floor))
+
+
+def stall_message(*, step: int, waited: float, limit: float, configured: bool, learner: str,
+                  buffer: BufferStats | str, actors: Sequence[RolloutStats | str], last_push_s: Sequence[float | None],
+                  last_publish: tuple[int, float] | None, checkpoint: str, floor: float = PROGRESS_FLOOR_S) -> str:
+    """The one line a stalled run ends with: how long nothing happened, which component is blocked, and the state
+    of every component (``learner``: what the learner does; ``buffer``/``actors``: their stats, or why there are
+    none; ``last_push_s``: seconds since each actor's pushed count last rose, None: never; ``last_publish``:
+    (version, seconds ago); ``floor``: the watchdog's floor when the limit is not configured)."""
+    running = [a.running for a in actors if isinstance(a, RolloutStats)]
+    silent = [i for i, a in enumerate(actors) if isinstance(a, str)]
+    if learner.startswith(("computing", "not answering")):
+        blocked = f"the learner ({learner})"
+    elif isinstance(buffer, str):
+        blocked = f"the replay buffer ({buffer})"
+    elif silent:
+        blocked = f"rollout actor{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} (not answering)"
+    elif sum(running) == 0 and (unpushed := sum(max(0, a.finished - a.pushed) for a in actors
+                                                 if isinstance(a, RolloutStats))):
+        blocked = f"the rollout actors' pushes ({unpushed} finished episodes not pushed to the buffer)"
+    elif sum(running) == 0:
+        blocked = (f"admission (no episode running: {buffer.admission.groups_open} groups open, the oldest "
+                   f"admitted at version {buffer.admission.oldest_open_version}, learner version {buffer.learner_version})")
+    else:
+        blocked = f"the rollout actors ({sum(running)} episodes running, no batch completed)"
+    unset = f" unset: max({floor:.0f}, {PROGRESS_STEPS} x the slowest step)"
+    parts = [f"no learner step completed for {waited:.0f} s (step {step + 1}; limit {limit:.0f} s, "
+             f"cluster.progress_timeout_s{'' if configured else unset})",
+             f"blocked: {blocked}", f"learner: {learner}"]
+    if isinstance(buffer, str):
+        parts.append(f"buffer: {buffer}")
+    else:
+        a = buffer.admission
+        parts.append(f"buffer: {buffer.size} rows, {buffer.ready_groups} ready groups, {buffer.pending_groups} "
+                     f"pending groups; admission: {a.running} running, {a.groups_open} groups open, oldest open "
+                     f"version {a.oldest_open_version}")
+    for i, (stats, ago) in enumerate(zip(actors, last_push_s)):
+        if isinstance(stats, str):
+            parts.append(f"actor{i}: {stats}")
+            continue
+        pushed = "never pushed" if ago is None else f"last push {ago:.0f} s ago"
+        state = "done (error)" if stats.done else ("running" if stats.ready else "not set up")
+        parts.append(f"actor{i}: {state}, {stats.running} episodes running, {stats.pushed} pushed, {pushed}, "
+                     f"{stats.failed} failed")
+    parts.append("last publish: none" if last_publish is None else
+                 f"last publish: version {last_publish[0]}, {last_publish[1]:.0f} s ago")
+    parts.append(checkpoint)
+    return "; ".join(parts)
