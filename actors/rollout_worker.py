@@ -28,7 +28,7 @@ from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 from actors.lockstep import LockstepEngine, TurnBarrier
 from async_agent_rl.data.search_r1 import QAExample
-from async_agent_rl.episode import EpisodeRunner
+from async_agent_rl.episode import EpisodeRunner, PromptTooLongError
 from async_agent_rl.records import Trajectory
 from async_agent_rl.stats import EpisodeCounters, RolloutStats, new_incarnation
 
@@ -110,7 +110,19 @@ class WorkerStats(EpisodeCounters):
 
 
 class RolloutFailure(RuntimeError):
-    """The worker stopped because pushing its episodes, or an episode task's reporting, failed (cause chained)."""
+    """The worker stopped because pushing its episodes, or an episode task's reporting, failed, or its engine
+    failed every episode for a long run of episodes in a row (cause chained)."""
+
+
+class EngineFailing(RuntimeError):
+    """``failures_in_a_row`` episodes failed one after the other with no episode finishing between them: the engine
+    is dead or not answering (a killed engine core process fails every request at once)."""
+
+
+def failures_in_a_row_limit(max_concurrent: int) -> int:
+    """Episodes failing in a row that mean the engine failed, not the episodes: every episode in flight and as many
+    again (a dead engine fails each of them at once; one bad prompt fails one)."""
+    return max(8, 2 * max_concurrent)
 
 
 class RolloutWorker:
@@ -154,6 +166,8 @@ class RolloutWorker:
         self._failed = asyncio.Event()
         self.failure: tuple[str, BaseException] | None = None  # (what failed, the exception) once the worker failed
         self._episode_counter = 0
+        self.failures_in_a_row = 0  # episodes failed since the last one that finished
+        self.failures_in_a_row_limit = failures_in_a_row_limit(max_concurrent)
 
     # ------------------------------------------------------------------------------------------------ control
     def stop(self) -> None:
@@ -274,7 +288,18 @@ class RolloutWorker:
             traj = await runner.run(ex, group_id=group_id, seed=seed)
         except Exception as e:  # an engine failure loses this episode, not the worker; counted, logged, reported
             self.stats.failed += 1
+            if not isinstance(e, PromptTooLongError):  # the prompt's fault, not the engine's
+                self.failures_in_a_row += 1
             self._log_failure(e, ex)
+            if self.failures_in_a_row >= self.failures_in_a_row_limit and self.failure is None:
+                # a dead engine fails every episode at once: the worker stops (its actor is then restarted)
+                # instead of admitting and failing groups in a tight loop
+                self.failure = ("the engine", EngineFailing(
+                    f"{self.failures_in_a_row} episodes failed in a row, the last with {type(e).__name__}: {e}"))
+                log.error("rollout worker %s: %d episodes failed in a row; the engine is dead or not answering",
+                          self.actor_id, self.failures_in_a_row)
+                self._stop.set()
+                self._failed.set()
             await self.on_lost([group_id])
             return
         finally:
@@ -282,6 +307,7 @@ class RolloutWorker:
             if barrier is not None:
                 await barrier.leave()  # the rest of the wave stops waiting for this episode
         traj.meta.actor_id = self.actor_id
+        self.failures_in_a_row = 0
         self.stats.add_finished(traj)
         await self._outbox.put(traj)
 

@@ -116,3 +116,64 @@ def test_the_actor_reports_done_and_the_cause():
     stats, error = asyncio.run(go())
     assert stats.done and stats.ready
     assert error.startswith("RolloutFailure: rollout worker actor7: pushing finished episodes failed: ConnectionError")
+
+
+class DeadEngineRunner(QuickRunner):
+    """A killed engine core: every episode fails at once; ``healthy_first`` episodes succeed before it dies."""
+
+    def __init__(self, healthy_first: int = 0):
+        super().__init__()
+        self.healthy_first = healthy_first
+
+    async def run(self, ex, group_id="", trajectory_id="", seed=None):
+        self.episodes += 1
+        if self.episodes > self.healthy_first:
+            raise RuntimeError("EngineCore died unexpectedly")
+        await asyncio.sleep(0.005)
+        return Trajectory.decode(traj(group_id, self.episodes))
+
+
+async def keep(batch):
+    pass
+
+
+def test_a_dead_engine_stops_the_worker_after_a_run_of_failures_not_one_episode_at_a_time():
+    """Issue 31: with its engine core killed, a worker failed 424,424 episodes in a tight loop (each failed at once,
+    its group dropped, its admission slot granted again) and never stopped, so supervision never restarted it. Now a
+    run of ``failures_in_a_row_limit`` failures with no finished episode between them stops it with the cause."""
+    runner = DeadEngineRunner(healthy_first=3)
+    w = worker(runner, sink=keep)
+
+    async def go():
+        return await asyncio.wait_for(w.run(), timeout=10)
+
+    with pytest.raises(RolloutFailure) as info:
+        asyncio.run(go())
+    msg = str(info.value)
+    assert "actor7: the engine failed: EngineFailing: 8 episodes failed in a row, the last with RuntimeError: " \
+           "EngineCore died unexpectedly" in msg, msg
+    assert runner.episodes < 40 and w.stats.failed >= 8, "it stopped at once, not after many more episodes"
+
+
+def test_failures_between_finished_episodes_never_stop_the_worker():
+    class EveryOtherFails(QuickRunner):
+        async def run(self, ex, group_id="", trajectory_id="", seed=None):
+            self.episodes += 1
+            n = self.episodes
+            await asyncio.sleep(0.001)
+            if n % 2:
+                raise RuntimeError("one bad prompt")
+            return Trajectory.decode(traj(group_id, n))
+
+    runner = EveryOtherFails()
+    w = worker(runner, sink=keep)
+
+    async def go():
+        task = asyncio.create_task(w.run())
+        while runner.episodes < 200:
+            await asyncio.sleep(0.01)
+        w.stop()
+        return await asyncio.wait_for(task, timeout=10)
+
+    stats = asyncio.run(go())
+    assert stats.failed >= 90 and w.failure is None
