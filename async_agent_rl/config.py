@@ -383,6 +383,9 @@ class SFTConfig(_Section):
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
     seed: int = 0
+    threads: int = Field(
+        0, ge=0, description="torch threads of the warm start's loops (0: picked from the loop's own step times, "
+        "a speed choice that leaves the computed numbers unchanged; the learning study pins 1 and 2 to check that)")
     output_dir: Optional[str] = Field(
         None, description="train: where the warm start is saved and reused (default RUN_DIR/sft); runs with the "
         "same inputs can share one (checked against its warm_start_inputs.json)")

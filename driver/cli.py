@@ -13,6 +13,7 @@ Subcommands (``async-agent-rl COMMAND --help`` for each)::
     sft              supervised warm start on generated demonstration episodes
     train            the whole asynchronous system on Ray (the main job); --dry-run: check a config first
     eval             greedy exact match / F1 / searches / turns of a checkpoint on held-out questions
+    probe            what a checkpoint does at each turn of the expert's episode (search? which query? reads?)
     bench            short trainings side by side: staleness sweep, ablations, async vs sync
 """
 
@@ -255,6 +256,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from warm_start.probe import probe, probe_table, write_probe
+
+    if not _at_least_one(args.limit, "--limit"):
+        return 2
+    cfg = _config(args)
+    model = args.checkpoint or cfg.model.path
+    what = "--checkpoint" if args.checkpoint else "model.path"
+    if not (Path(model) / "config.json").is_file():
+        raise InputError(f"{what} {model}: no model folder there (no config.json)")
+    _check_weights(model, what)
+    result = probe(cfg, model, limit=args.limit or 0)
+    if not result["kinds"]:
+        raise InputError(f"no held-out question could be probed (not the embedded world's questions?): "
+                         f"{result['skipped'] or 'none read'}")
+    print(probe_table(result))
+    if args.out:
+        print(f"[probe] -> {write_probe(result, args.out)}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="async-agent-rl", description=__doc__.split("\n")[0])
@@ -323,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--episodes", help="write the episodes as JSON lines here")
     _add_config_args(ev)
     ev.set_defaults(func=cmd_eval)
+    pr = sub.add_parser("probe", help="greedy decisions turn by turn on the expert's episodes (embedded world)")
+    pr.add_argument("--checkpoint", help="model folder (default: model.path)")
+    pr.add_argument("--limit", type=int, help="first N held-out questions only")
+    pr.add_argument("--out", help="folder for probe.md, probe.json and the per-question turns")
+    _add_config_args(pr)
+    pr.set_defaults(func=cmd_probe)
 
     from driver.bench.cli import register as register_bench
     from driver.sft_cli import register as register_sft

@@ -71,7 +71,8 @@ def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
         "retriever": {k: v for k, v in d["retriever"].items() if k in RETRIEVER_KEYS and v not in (None, "")},
         "rollout": {k: d["rollout"][k] for k in rollout},
         "reward": d["reward"],
-        "sft": {k: v for k, v in d["sft"].items() if k not in ("enabled", "output_dir")},
+        # a pinned thread count names its own warm start (the learning study compares them); the default does not
+        "sft": {k: v for k, v in d["sft"].items() if k not in ("enabled", "output_dir") and (k, v) != ("threads", 0)},
     }
 
 
@@ -148,6 +149,11 @@ class ThreadTuner:
             counts.add(c)
             c *= 2
         return cls(sorted(counts), **kw)
+
+    @classmethod
+    def for_config(cls, threads: int, **kw: Any) -> "ThreadTuner":
+        """``sft.threads``: that count pinned when > 0, else :meth:`for_machine`."""
+        return cls([threads], **kw) if threads > 0 else cls.for_machine(**kw)
 
     def kept(self) -> list[int]:
         """The counts kept after each round of probes (the one count when there was nothing to choose)."""
@@ -600,7 +606,7 @@ def run_sft(
                 texts = _pretrain_texts(cfg, pretrain_steps, s.batch_size, PRETRAIN_SEQ_LEN, tokenizer)
                 log.info("pretraining: %d steps on %d shuffled-world observations", pretrain_steps, len(texts))
                 bar = Progress("[sft] pretraining", pretrain_steps) if progress else None
-                tuner = threads or ThreadTuner.for_machine()
+                tuner = threads or ThreadTuner.for_config(cfg.sft.threads)
                 pre_losses = pretrain_on_texts(
                     model, tokenizer, texts, pretrain_steps, s.batch_size, s.lr, s.warmup_steps, s.seed,
                     PRETRAIN_SEQ_LEN, on_step=record, threads=tuner, progress=bar,
@@ -617,7 +623,7 @@ def run_sft(
             log.info("sft: %d demonstrations, %d steps of %d, lr %g, %d frozen embedding rows",
                      len(demos), len(plan), s.batch_size, s.lr, len(frozen))
             bar = Progress("[sft] demonstrations", len(plan)) if progress else None
-            tuner = threads or ThreadTuner.for_machine()
+            tuner = threads or ThreadTuner.for_config(cfg.sft.threads)
             t_sft = time.perf_counter()
             losses, tokens, loss_tokens = train_on_demos(model, demos, plan, s.lr, s.warmup_steps, pad_id, record,
                                                          threads=tuner, progress=bar)

@@ -94,7 +94,21 @@ def seed_overrides(seed: int, world: Path) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def learning_arms(seeds: Sequence[int], out: Path) -> list[Arm]:
-    """One RL arm per seed; each makes its own warm start (its world differs)."""
-    return [Arm("learning", f"seed{s}-rl", f"seed {s}", seed_overrides(s, out / "worlds" / f"seed_{s}"),
+def learning_arms(seeds: Sequence[int], out: Path, warm_start_seeds: Sequence[int] = (),
+                  sft_threads: Sequence[int] = ()) -> list[Arm]:
+    """The RL arms of ``bench learning``, each with its own warm start:
+
+    - one per world seed (``seeds``): its own world, tiny model, warm start and training seeds (``seed_overrides``);
+    - one per warm-start seed (``warm_start_seeds``): the config's own world and model, only ``sft.seed`` differs,
+      so the arms differ by their warm start alone;
+    - one per pinned warm-start thread count (``sft_threads``) for the first warm-start seed (or seed 0): the same
+      warm start computed at 1 and at 2 threads, as different processors' rounding would make it differ.
+    """
+    arms = [Arm("learning", f"seed{s}-rl", f"world {s}", seed_overrides(s, out / "worlds" / f"seed_{s}"),
                 own_warm_start=True) for s in seeds]  # fmt: skip
+    arms += [Arm("learning", f"ws{s}-rl", f"warm start {s}", (f"sft.seed={s}",), own_warm_start=True)
+             for s in warm_start_seeds]
+    first = warm_start_seeds[0] if warm_start_seeds else 0
+    arms += [Arm("learning", f"ws{first}-threads{t}-rl", f"warm start {first}, {t} thread{'s' * (t > 1)}",
+                 (f"sft.seed={first}", f"sft.threads={t}"), own_warm_start=True) for t in sft_threads]
+    return arms

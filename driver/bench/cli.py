@@ -123,7 +123,13 @@ def register(subparsers: Any) -> None:
         elif kind == "sync":
             p.add_argument("--eta", type=int, default=2, help="the asynchronous arm's max_staleness")
         else:
-            p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: a world and two arms each")
+            p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: a world and two arms each "
+                           "('' for none)")
+            p.add_argument("--warm-start-seeds", default="", help="comma-separated sft.seed values: arms on the "
+                           "config's own world that differ only by their warm start")
+            p.add_argument("--sft-threads", default="", help="comma-separated thread counts: the first warm-start "
+                           "seed's warm start computed at each (e.g. 1,2)")
+            p.add_argument("--rl-only", action="store_true", help="no SFT-only arm (its columns are left empty)")
         p.add_argument("overrides", nargs="*", help="dotted overrides for every arm, e.g. learner.lr=3e-4")
         p.set_defaults(func=cmd_learning if kind == "learning" else cmd_bench)
     p = kinds.add_parser("continue-sft", help="(bench learning's SFT-only arm) more SFT from a warm start for a time "

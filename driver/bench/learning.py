@@ -82,12 +82,15 @@ def _kind_numbers(scores: dict[str, Any]) -> dict[str, dict[str, float]]:
             for k in KINDS if k in scores}
 
 
-def seed_row(seed: int, rl: ArmRun, sft: ArmRun) -> dict[str, Any]:
+def seed_row(seed: int | str, rl: ArmRun, sft: ArmRun | None) -> dict[str, Any]:
     """One seed's line of the learning report, from the RL run's ``eval.jsonl`` (its ``start`` evaluation: the warm
     start; its ``end`` one: after RL) and the SFT-only arm's scores."""
     evals = read_jsonl(rl.run_dir / "eval.jsonl")
     when = {e["when"]: e for e in evals}
-    start, end, other = (_kind_numbers(e) for e in (when["start"], when["end"], sft.result["scores"]))
+    start, end = _kind_numbers(when["start"]), _kind_numbers(when["end"])
+    # without an SFT-only arm (--rl-only) its columns are not a number
+    other = _kind_numbers(sft.result["scores"]) if sft else {k: {"em": float("nan"), "searches": float("nan")}
+                                                              for k in start}
     kinds = {}
     for k in start:
         if k in end and k in other:
@@ -97,8 +100,9 @@ def seed_row(seed: int, rl: ArmRun, sft: ArmRun) -> dict[str, Any]:
             kinds[k] = {**x, "gain_rl": x["em_rl"] - x["em_start"], "gain_sft": x["em_sft"] - x["em_start"],
                         "rl_minus_sft": x["em_rl"] - x["em_sft"]}  # fmt: skip
     curve = [{"step": e["step"], **{k: e[k]["exact_match"] for k in KINDS if k in e}} for e in evals]
-    return {"seed": seed, "rl_s": rl.result["train_s"], "rl_steps": rl.result["steps"], "sft_s": sft.result["sft_s"],
-            "sft_steps": sft.result["steps"], "warm_start": str(rl.warm_start), "kinds": kinds, "curve": curve}
+    return {"seed": seed, "rl_s": rl.result["train_s"], "rl_steps": rl.result["steps"],
+            "sft_s": sft.result["sft_s"] if sft else float("nan"), "sft_steps": sft.result["steps"] if sft else 0,
+            "warm_start": str(rl.warm_start), "kinds": kinds, "curve": curve}
 
 
 def learning_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -176,13 +180,23 @@ def write_learning_report(rows: Sequence[dict[str, Any]], runs: Sequence[ArmRun]
 
 def cmd_learning(args: argparse.Namespace) -> int:
     """RL against more SFT for the same time, one world per seed (see ``run_sft_only`` and ``seed_overrides``)."""
-    try:
-        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    except ValueError:
-        print(f"error: --seeds must be comma-separated integers, not {args.seeds!r}", file=sys.stderr)
-        return 2
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        print(f"error: --seeds needs distinct values >= 0, got {args.seeds!r}", file=sys.stderr)
+    lists = {}
+    for flag, text in (("--seeds", args.seeds), ("--warm-start-seeds", args.warm_start_seeds),
+                       ("--sft-threads", args.sft_threads)):
+        try:
+            values = [int(x) for x in (text or "").split(",") if x.strip()]
+        except ValueError:
+            print(f"error: {flag} must be comma-separated integers, not {text!r}", file=sys.stderr)
+            return 2
+        if (values and min(values) < (1 if flag == "--sft-threads" else 0)) or len(set(values)) != len(values):
+            low = 1 if flag == "--sft-threads" else 0
+            print(f"error: {flag} needs distinct values >= {low}, got {text!r}", file=sys.stderr)
+            return 2
+        lists[flag] = values
+    seeds = lists["--seeds"]
+    if not (seeds or lists["--warm-start-seeds"] or lists["--sft-threads"]):
+        print("error: bench learning needs at least one arm: --seeds, --warm-start-seeds or --sft-threads",
+              file=sys.stderr)
         return 2
     out = Path(args.out or "runs/bench/learning")
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any run
@@ -190,17 +204,21 @@ def cmd_learning(args: argparse.Namespace) -> int:
         print("error: bench learning compares RL with more SFT from one warm start, evaluated before and after: it "
               "needs sft.enabled, eval.at_start and eval.at_end true", file=sys.stderr)
         return 2
-    arms = learning_arms(seeds, out)
+    arms = learning_arms(seeds, out, lists["--warm-start-seeds"], lists["--sft-threads"])
     rl_runs = run_arms(args.config, list(args.overrides), arms, out, args.steps, args.eval_every, args.force,
                        warm_starts=Path(args.warm_starts) if args.warm_starts else None)
     runs, rows = list(rl_runs), []
-    for seed, rl in zip(seeds, rl_runs):
+    for rl in rl_runs:
         if rl.error:
+            continue
+        label = rl.arm.label
+        if args.rl_only:
+            rows.append(seed_row(label, rl, None))
             continue
         sft = run_sft_only(args.config, rl, out, args.force)
         runs.append(sft)
         if not sft.error:
-            rows.append(seed_row(seed, rl, sft))
+            rows.append(seed_row(label, rl, sft))
     report = write_learning_report(rows, runs, out, command_line(args))
     return finish(report, runs)
 

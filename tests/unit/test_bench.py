@@ -192,3 +192,33 @@ def test_report_only_trains_nothing_and_reports_the_unfinished_arms_as_not_run(t
     report = tmp_path / "report.md"
     report.write_text("r\n")
     assert runner.finish(report, runs) == 0
+
+
+def test_warm_start_seed_and_thread_arms_differ_from_the_config_only_by_their_warm_start(tmp_path):
+    from warm_start.sft import warm_start_inputs
+
+    arms = learning_arms([], tmp_path, warm_start_seeds=[2, 4], sft_threads=[1, 2])
+    assert [a.name for a in arms] == ["ws2-rl", "ws4-rl", "ws2-threads1-rl", "ws2-threads2-rl"]
+    base = load_config("configs/quickstart.yaml")
+    cfgs = [load_config("configs/quickstart.yaml", list(a.overrides)) for a in arms]
+    for a, cfg in zip(arms, cfgs):
+        assert a.own_warm_start
+        assert cfg.data.world_dir == base.data.world_dir and cfg.model.path == base.model.path
+        assert cfg.learner.seed == base.learner.seed and cfg.rollout.seed == base.rollout.seed
+    assert [c.sft.seed for c in cfgs] == [2, 4, 2, 2] and [c.sft.threads for c in cfgs] == [0, 0, 1, 2]
+    # every arm names a warm start of its own; the default thread count leaves older warm starts' inputs as they were
+    inputs = [json.dumps(warm_start_inputs(c, c.model.path), sort_keys=True) for c in cfgs]
+    assert len(set(inputs)) == 4
+    assert "threads" not in warm_start_inputs(base, base.model.path)["sft"]
+
+
+def test_a_learning_row_without_an_sft_only_arm_has_empty_sft_columns(tmp_path):
+    full = learning_folders(tmp_path, 0, [(0, ((1 / 3, 1.0), (0.0, 2.0))), (2, ((2 / 3, 1.5), (1.0, 2.0)))],
+                            ((1 / 3, 1.0), (0.0, 1.0)))
+    rl = ArmRun(Arm("learning", "seed0-rl", "seed 0", ()), tmp_path / "seed0-rl", [], warm_start=tmp_path / "ws",
+                result={"train_s": 40.0, "steps": 2})
+    row = seed_row("warm start 0", rl, None)
+    assert row["seed"] == "warm start 0" and row["kinds"]["all"]["em_rl"] == full["kinds"]["all"]["em_rl"]
+    assert row["kinds"]["all"]["em_sft"] != row["kinds"]["all"]["em_sft"]  # NaN: no SFT-only arm
+    summary = learning_summary([row])
+    assert summary["kinds"]["all"]["em_sft"]["n"] == 0 and summary["kinds"]["all"]["em_rl"]["n"] == 1
