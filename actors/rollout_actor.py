@@ -27,7 +27,7 @@ from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.errors import InputError
 from async_agent_rl.records import Trajectory
 from async_agent_rl.stats import RolloutStats, SearchStats, WeightUpdate
-from buffer.actor import push_all_async
+from buffer.actor import push_async
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,12 @@ class RolloutActor:
         return await asyncio.wait_for(self.buffer.try_start.remote(n, version, group_id, self.actor_id),
                                       self.cfg.cluster.actor_timeout_s)
 
-    async def _push(self, trajs: list[Trajectory]) -> None:
-        await push_all_async(self.buffer, [t.encode() for t in trajs], call_timeout_s=self.cfg.cluster.actor_timeout_s)
+    async def _push(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        """One push; returns the trajectories a full buffer refused (the worker sends them again with its next push,
+        never waits behind them: ``RolloutWorker``)."""
+        blobs = [t.encode() for t in trajs]
+        result = await push_async(self.buffer, blobs, call_timeout_s=self.cfg.cluster.actor_timeout_s)
+        return result.rest(trajs)
 
     async def _lost(self, group_ids: list[str]) -> None:
         await asyncio.wait_for(self.buffer.reject.remote(group_ids), self.cfg.cluster.actor_timeout_s)

@@ -12,7 +12,11 @@ the buffer assembles the group). New groups start only when
 turn by turn in lockstep, and the next wave starts when the whole wave is done.
 
 Finished trajectories go to an async ``sink`` in batches of ``push_batch_size`` (or sooner when no more arrive for
-``flush_after_s``): everything that crosses an actor boundary is batched.
+``flush_after_s``): everything that crosses an actor boundary is batched. The sink returns the trajectories a full
+buffer refused; they are held and sent again with the next push (after ``push_retry_s``, or with the next batch),
+never waited on: the episodes that finish meanwhile go out alongside them, so a refused member of a new group never
+holds back the members that complete the groups the buffer already holds (that stalled a run for ever:
+``buffer.replay_buffer``, "Capacity and backpressure").
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from async_agent_rl.stats import EpisodeCounters, RolloutStats, new_incarnation
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[list[Trajectory]], Awaitable[None]]
+# takes a batch of finished trajectories; returns those a full buffer refused (None or empty: all taken)
+Sink = Callable[[list[Trajectory]], Awaitable[Sequence[Trajectory] | None]]
 Admit = Callable[[int, int, str], Awaitable[int]]  # (episodes wanted, policy version, group id) -> granted
 Lost = Callable[[list[str]], Awaitable[None]]  # group id of each episode that was started and will never arrive
 
@@ -140,6 +145,7 @@ class RolloutWorker:
         actor_id: str = "",
         seed: int | None = None,
         flush_after_s: float = 0.2,
+        push_retry_s: float = 0.02,
         admission_poll_s: float = 0.05,
         mode: str = "async",
     ):
@@ -155,6 +161,7 @@ class RolloutWorker:
         self.actor_id = actor_id or uuid.uuid4().hex[:8]
         self.seed = seed
         self.flush_after_s = flush_after_s
+        self.push_retry_s = push_retry_s
         self.admission_poll_s = admission_poll_s
         self.mode = mode
         self.max_concurrent = max_concurrent
@@ -323,18 +330,27 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------------------------------------ pushing
     async def _flush_loop(self) -> None:
-        batch: list[Trajectory] = []
+        """Send finished trajectories in batches; hold the ones the sink refused (a full buffer) and send them again
+        with the next batch or after ``push_retry_s``, whichever comes first (module docstring). After the last
+        episode it retries the held ones until the buffer takes them (``stop`` bounds that wait)."""
+        batch: list[Trajectory] = []  # finished, not sent yet
+        held: list[Trajectory] = []  # sent and refused: sent again, never waited on
         done = False
-        while not done:
-            try:
-                item = await asyncio.wait_for(self._outbox.get(), self.flush_after_s if batch else None)
-            except asyncio.TimeoutError:
+        while not done or held:
+            if done:
+                await asyncio.sleep(self.push_retry_s)
                 item = ...
-            if item is None:
-                done = True
-            elif item is not ...:
-                batch.append(item)
-            if batch and (done or item is ... or len(batch) >= self.push_batch_size):
-                await self.sink(batch)
-                self.stats.pushed += len(batch)
-                batch = []
+            else:
+                waits = ([self.flush_after_s] if batch else []) + ([self.push_retry_s] if held else [])
+                try:
+                    item = await asyncio.wait_for(self._outbox.get(), min(waits) if waits else None)
+                except asyncio.TimeoutError:
+                    item = ...
+                if item is None:
+                    done = True
+                elif item is not ...:
+                    batch.append(item)
+            if (batch or held) and (done or item is ... or len(batch) >= self.push_batch_size):
+                send, batch = held + batch, []
+                held = list(await self.sink(send) or ())
+                self.stats.pushed += len(send) - len(held)

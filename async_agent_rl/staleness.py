@@ -33,8 +33,12 @@ nothing is running or pending. Every open group is ready and (claim 1) has ``v_o
 every published version, so an asking engine has ``v >= u - eta`` too. Then ``live = u * N + R`` and
 ``(eta + v_old + 1) * N >= (u + 1) * N >= live + 1``: a group is admitted. Lost episodes cannot block this: a group
 is one unit however many of its members arrive, and a group none of whose members arrive is dropped and frees its
-unit. ``tests/unit/test_staleness.py`` checks both claims on a model of the whole system over random loss
-patterns, eta 0..8 and group sizes 1..8.
+unit. A full replay buffer cannot block it either: finished episodes refused for room wait in their actor's outbox
+while the buffer takes every member of the groups it holds (room is promised to them), so those groups complete;
+fewer than ``N`` ready groups then take less than a batch, and the buffer holds at least one, so a new group finds
+room (``buffer.replay_buffer``, "Capacity and backpressure"; the token capacity's promises are estimates, see
+there). ``tests/unit/test_staleness.py`` checks both claims on a model of the whole system over random loss
+patterns, eta 0..8, group sizes 1..8 and buffer capacities from one batch up.
 
 eta = 0 is synchronous: every group admitted at version ``v`` is consumed at ``v``.
 

@@ -5,8 +5,12 @@ Protocol for a rollout actor (every call carries a batch; an actor round trip co
 1. ``n = try_start(group_size, version, group_id, actor_id)`` with ``version`` the policy version of its engine's
    weights; start the group's ``n`` episodes (0 means wait and ask again: the pacing rule of
    ``async_agent_rl.staleness``).
-2. ``push_all(actor, blobs)`` / ``await push_all_async(actor, blobs)`` for the finished ones (wire bytes); these
-   resend the refused rest while the buffer reports ``full``.
+2. ``await push_async(actor, blobs)`` for the finished ones (wire bytes); the buffer takes every one that fits and
+   the reply names the ones refused for lack of room (``PushResult.refused``). Send those again, together with the
+   episodes that finished meanwhile, never wait behind them (``RolloutWorker``'s outbox does this): a refused
+   member of a new group must not hold back the members that complete the groups the buffer already holds
+   (``buffer.replay_buffer``, "Capacity and backpressure"). ``push_all`` / ``push_all_async`` resend the refused
+   ones of a fixed list until all are taken, for callers that produce nothing meanwhile.
 3. ``reject(group_ids)`` for episodes thrown away (one group id per episode), so the slot is freed and the group
    does not wait for them.
 
@@ -106,9 +110,9 @@ class BufferActor:
         return granted
 
     def push_many(self, blobs: Sequence[bytes]) -> PushResult:
-        """Store ``blobs`` (``PushResult`` over this list: the first ``accepted`` are handled). A member of a group
-        that is no longer expecting it (module docstring: its actor was counted lost, or the group was already
-        consumed or dropped) is dropped and counted in ``late_pushes``."""
+        """Store ``blobs``: every one is taken but those in ``PushResult.refused`` (no room; push them again). A
+        member of a group that is no longer expecting it (module docstring: its actor was counted lost, or the group
+        was already consumed or dropped) is taken and dropped, counted in ``late_pushes``."""
         expecting: dict[str, int] = {}
         kept: list[int] = []
         for i, b in enumerate(blobs):
@@ -120,20 +124,18 @@ class BufferActor:
         if len(kept) == len(blobs):
             return self._push(blobs)
         result = self._push([blobs[i] for i in kept])
-        handled = len(blobs) if result.accepted == len(kept) else kept[result.accepted]
-        taken = set(kept)
-        self._late_pushes += sum(1 for i in range(handled) if i not in taken)  # a resent late one counts once
-        return PushResult(handled, result.full)
+        self._late_pushes += len(blobs) - len(kept)  # never refused, so never resent: each counts once
+        return PushResult(len(blobs), tuple(kept[i] for i in result.refused))
 
     def _push(self, blobs: Sequence[bytes]) -> PushResult:
         if not blobs:
-            return PushResult(0, False)
+            return PushResult(0)
         self._deferred = []
         try:
             result = self.buffer.push(blobs)
         finally:
             deferred, self._deferred = self._deferred, None
-        for blob in blobs[: result.accepted]:
+        for blob in result.taken(blobs):
             self.admission.on_finished(peek_group_id(blob), 1, accepted=True)
         for n, gid in deferred:
             self._on_evict(n, gid)
@@ -250,13 +252,26 @@ def create_buffer_actor(cfg: Config, *, pad_id: int, name: Optional[str] = None)
 CALL_TIMEOUT_S = 120.0  # one push_many call must be answered within this (cluster.actor_timeout_s's default)
 
 
+async def push_async(
+    actor: "ray.actor.ActorHandle", blobs: Sequence[bytes], *, call_timeout_s: float = CALL_TIMEOUT_S
+) -> PushResult:
+    """One ``push_many`` call: the buffer takes what fits and names the rest (module docstring, step 2). Raises
+    ``TimeoutError`` when it is not answered within ``call_timeout_s`` (a buffer stopped or hung)."""
+    try:
+        return await asyncio.wait_for(actor.push_many.remote(list(blobs)), call_timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(_silent(call_timeout_s, len(blobs))) from None
+
+
 def push_all(
     actor: "ray.actor.ActorHandle", blobs: Sequence[bytes], *, poll_s: float = 0.02, timeout_s: Optional[float] = None,
     call_timeout_s: float = CALL_TIMEOUT_S,
 ) -> int:
-    """Push ``blobs`` through backpressure: while the buffer is full, wait ``poll_s`` and resend the refused rest.
+    """Push ``blobs`` through backpressure: while the buffer is full, wait ``poll_s`` and resend the refused ones.
     Returns how many times it waited; raises ``TimeoutError`` after ``timeout_s`` (None: as long as the buffer
-    answers and stays full), and when one call is not answered within ``call_timeout_s`` (a buffer stopped or hung)."""
+    answers and stays full), and when one call is not answered within ``call_timeout_s`` (a buffer stopped or hung).
+    For a caller that produces nothing while it waits; a producer that does sends its new trajectories along with
+    the refused ones (module docstring, step 2)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rest, waits = list(blobs), 0
     while rest:
@@ -264,7 +279,7 @@ def push_all(
             result: PushResult = ray.get(actor.push_many.remote(rest), timeout=call_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(_silent(call_timeout_s, len(rest))) from None
-        rest = rest[result.accepted :]
+        rest = result.rest(rest)
         if rest:
             _check_deadline(deadline, len(rest), timeout_s)
             waits += 1
@@ -280,11 +295,8 @@ async def push_all_async(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rest, waits = list(blobs), 0
     while rest:
-        try:
-            result: PushResult = await asyncio.wait_for(actor.push_many.remote(rest), call_timeout_s)
-        except asyncio.TimeoutError:
-            raise TimeoutError(_silent(call_timeout_s, len(rest))) from None
-        rest = rest[result.accepted :]
+        result = await push_async(actor, rest, call_timeout_s=call_timeout_s)
+        rest = result.rest(rest)
         if rest:
             _check_deadline(deadline, len(rest), timeout_s)
             waits += 1

@@ -39,7 +39,14 @@ response tokens), never exceeded. A trajectory that opens a new group must find 
 of what pending groups were promised: ``group_size`` slots and ``group_size`` times its own length in tokens (at
 most ``capacity_tokens``); a pending group's promise is its missing members times its arrived members' mean length.
 Members of a pending group only need room for themselves, so groups under way can complete when the buffer is full.
-``push`` accepts the longest prefix that fits and reports ``full``: the producer waits and pushes the rest again.
+``push`` takes every trajectory that fits and reports the ones it refused (``PushResult.refused``): the producer
+pushes those again later. Not a prefix: a push is in finishing order, so a new group's first member refused for
+room would otherwise hold back the members behind it that complete the groups the buffer already holds, and with
+``capacity_trajectories`` below what admission lets run (``(eta + 1) x`` a batch) no batch ever formed (eta 1,
+groups of 2, batch 2, capacity 2: ``tests/unit/test_staleness.py``). Taking what fits, the pending groups complete,
+the learner takes a batch and the refused member finds room. The token promise (a pending group's arrived members'
+mean length) is an estimate: short first members can let in more groups than ``capacity_tokens`` can complete, a
+stall not fixed yet (``tests/unit/test_stalling_configs.py``, a strict xfail).
 
 Accounting: ``pushed == sampled + sum(evicted.values()) + size`` at all times; nothing leaves silently.
 """
@@ -55,7 +62,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import msgpack
 
@@ -66,6 +73,7 @@ from async_agent_rl.staleness import group_min_version, is_stale, staleness
 from async_agent_rl.stats import BufferStats
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EVICT_STALE = "stale"
 EVICT_PARTIAL_TIMEOUT = "partial_group_timeout"
@@ -85,11 +93,31 @@ class SnapshotError(InputError):
 
 @dataclass(frozen=True)
 class PushResult:
-    """Reply to a push: the first ``accepted`` trajectories are stored. ``full``: the buffer has no room for the
-    rest; wait (the learner frees room by sampling) and push ``blobs[accepted:]`` again."""
+    """Reply to a push of ``pushed`` trajectories: every one was taken but those at the indices ``refused``
+    (ascending), for which the buffer had no room. Push them again later (the learner frees room by sampling), with
+    whatever finished since: a refused trajectory never holds back the ones after it."""
 
-    accepted: int
-    full: bool
+    pushed: int
+    refused: tuple[int, ...] = ()
+
+    @property
+    def accepted(self) -> int:
+        """Trajectories taken (stored; for ``BufferActor.push_many`` also the late ones it dropped)."""
+        return self.pushed - len(self.refused)
+
+    @property
+    def full(self) -> bool:
+        """The buffer had no room for some of them."""
+        return bool(self.refused)
+
+    def rest(self, items: Sequence[T]) -> list[T]:
+        """The refused ones of ``items`` (the list that was pushed, or anything in the same order): push them again."""
+        return [items[i] for i in self.refused]
+
+    def taken(self, items: Sequence[T]) -> list[T]:
+        """The ones of ``items`` that were taken."""
+        refused = set(self.refused)
+        return [x for i, x in enumerate(items) if i not in refused]
 
 
 @dataclass
@@ -205,9 +233,10 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------------------------------------------ push
     def push(self, blobs: Sequence[bytes]) -> PushResult:
-        """Store the longest prefix of ``blobs`` that fits. Raises (storing nothing) ``RecordError`` if a blob is
-        not a valid record, ``CapacityError`` if one is longer than ``capacity_tokens``. ``push_refused`` in
-        ``stats`` counts trajectories turned away for lack of room (a retried one each time)."""
+        """Store every one of ``blobs`` that fits, in order; the reply names the ones refused for lack of room (a
+        refused one does not stop the ones after it: module docstring). Raises (storing nothing) ``RecordError`` if
+        a blob is not a valid record, ``CapacityError`` if one is longer than ``capacity_tokens``. ``push_refused``
+        in ``stats`` counts trajectories turned away for lack of room (a retried one each time)."""
         self._expire_partial()
         entries = [_peek(b) for b in blobs]
         for k, (gid, item) in enumerate(entries):
@@ -219,13 +248,15 @@ class ReplayBuffer:
                     f"{self.config.capacity_tokens}: it can never fit"
                 )
         now = self._clock()
+        refused: list[int] = []
         for k, (gid, item) in enumerate(entries):
             if not self._fits(gid, item):
-                self.counters["push_refused"] += len(entries) - k
-                return PushResult(accepted=k, full=True)
+                refused.append(k)
+                continue
             item.pushed_at = now
             self._add(gid, item, now)
-        return PushResult(accepted=len(entries), full=False)
+        self.counters["push_refused"] += len(refused)
+        return PushResult(pushed=len(entries), refused=tuple(refused))
 
     def _fits(self, gid: str, item: _Item) -> bool:
         cfg = self.config

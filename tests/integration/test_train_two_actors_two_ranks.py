@@ -146,7 +146,7 @@ class RecordingBufferActor(BufferActor):
 
     def push_many(self, blobs):
         result = super().push_many(blobs)
-        self._taken.extend(blobs[: result.accepted])
+        self._taken.extend(result.taken(blobs))
         return result
 
     def taken(self) -> list[bytes]:

@@ -181,10 +181,10 @@ def test_partial_group_drop_after_timeout_is_an_eviction():
     assert s.pushed == s.sampled + s.evicted_total + s.size
 
 
-def test_backpressure_on_trajectory_capacity_accepts_a_prefix():
+def test_backpressure_on_trajectory_capacity_takes_what_fits():
     buf = make(group_size=1, capacity_trajectories=3)
     res = buf.push([traj(g) for g in "abcde"])
-    assert (res.accepted, res.full) == (3, True)
+    assert (res.accepted, res.full, res.refused) == (3, True, (3, 4))
     assert len(buf) == 3 and buf.stats().push_refused == 2
     buf.sample_wire(2, 0)
     res = buf.push([traj(g) for g in "de"])
@@ -210,6 +210,19 @@ def test_new_groups_wait_so_pending_groups_can_complete():
     buf.sample_wire(2, 0)
     assert buf.push([traj("b", 0), traj("b", 1)]).accepted == 2
     assert buf.stats().ready_groups == 1
+
+
+def test_a_refused_trajectory_never_holds_back_the_ones_after_it():
+    """A push is in finishing order: a new group's member refused for room must not stop the member behind it that
+    completes a group the buffer holds (with only the longest prefix taken, "a" never completed: a stalled run,
+    tests/unit/test_staleness.py)."""
+    buf = make(group_size=2, capacity_trajectories=2)
+    assert buf.push([traj("a", 0)]).accepted == 1  # "a" is promised the other slot
+    res = buf.push([traj("b", 0), traj("a", 1)])
+    assert res.refused == (0,) and res.rest(["b/0", "a/1"]) == ["b/0"] and res.taken(["b/0", "a/1"]) == ["a/1"]
+    assert buf.stats().ready_groups == 1 and buf.stats().push_refused == 1
+    assert ids(buf.sample_wire(2, 0)) == ["a/0", "a/1"]
+    assert buf.push([traj("b", 0), traj("b", 1)]).accepted == 2
 
 
 def test_token_promises_follow_the_mean_member_length():
