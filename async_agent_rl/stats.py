@@ -15,6 +15,10 @@ message             produced by                                     consumed by
 ``EvalScore``       (the keys of one ``score_episodes`` entry)      ``EvalMetrics``
 ==================  ==============================================  ==========================================
 
+The learner's quantities are declared once, in ``LEARNER_METRICS`` (field, meaning, unit, Prometheus name and kind):
+``monitoring.metrics`` defines its learner metrics from it, metrics.jsonl records every ``LearnerStats`` field, and
+a field without a row is an error at import.
+
 Totals are monotonic since the reporting process started. A restarted rollout actor (a new process, so a new
 ``incarnation``) or a rebuilt buffer starts again from zero; ``RunTotals`` turns such reports into totals since
 the run began, for the driver's records and the Prometheus counters alike.
@@ -174,10 +178,11 @@ class BufferStats:
 # ----------------------------------------------------------------------------------------------------- learner
 @dataclass
 class LearnerStats:
-    """One ``Learner.train_step`` (``learner.learner`` module docstring). Quantities a configuration does not
-    compute (``kl`` without a KL term, the critic's without ``gae``, importance weights under plain PPO) are None;
-    ``extra`` holds the loss-specific ones nothing reads by name (``vf_clip_frac``, ...); ``batch`` describes the
-    step's batch (``TrainBatch.summary()``)."""
+    """One ``Learner.train_step`` (``learner.learner`` module docstring). Each quantity is declared, with its meaning,
+    unit and metric, in ``LEARNER_METRICS`` below; a field without a row there is an error at import. Quantities a
+    configuration does not compute (``kl`` without a KL term, the critic's without ``gae``, importance weights under
+    plain PPO) are None; ``extra`` holds the loss-specific ones nothing reads by name (``vf_clip_frac``, ...);
+    ``batch`` describes the step's batch (``TrainBatch.summary()``)."""
 
     step: int = 0
     version: int = 0
@@ -225,6 +230,88 @@ class LearnerStats:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "batch")}
         d = {k: float(v) for k, v in d.items() if v is not None}
         return {**d, **self.extra}
+
+
+@dataclass(frozen=True)
+class LearnerMetric:
+    """One learner metric: the ``LearnerStats`` field (or property) it reads, what it means, its unit ("" for a
+    count, ratio or fraction with none), and its Prometheus name and kind. ``monitoring.metrics`` defines the metric
+    from the row (help text: meaning and unit; ``docs/METRICS.md`` is generated from it), and metrics.jsonl's
+    ``learner`` record has every field by name (``LearnerStats.as_dict``)."""
+
+    field: str
+    meaning: str
+    unit: str
+    metric: str
+    kind: str = "gauge"  # "gauge": the latest step's value; "counter": summed over steps; "histogram": each step's
+
+    @property
+    def help(self) -> str:
+        return f"{self.meaning} [{self.unit}]" if self.unit else self.meaning
+
+
+# The one declaration of the learner's metrics. Over the whole batch on every rank, as one rank reports them; losses
+# are the mini-batch aggregates averaged over the step's optimizer updates. Names are stable (dashboards use them).
+LEARNER_METRICS: tuple[LearnerMetric, ...] = (
+    LearnerMetric("step", "learner steps done", "", "aar_learner_step"),
+    LearnerMetric("version", "learner policy version (published updates)", "", "aar_learner_policy_version"),
+    LearnerMetric("step", "learner steps observed (each counted once)", "", "aar_learner_steps_total", "counter"),
+    LearnerMetric("trained_tokens", "non-padding tokens trained on (tokens_per_s x step_time_s of each step)",
+                  "tokens", "aar_learner_trained_tokens_total", "counter"),
+    LearnerMetric("loss_tokens", "loss positions trained on (those of each step's batch)", "tokens",
+                  "aar_learner_loss_tokens_total", "counter"),
+    LearnerMetric("step_time_s", "wall time of one train_step", "s", "aar_learner_step_seconds", "histogram"),
+    LearnerMetric("tokens_per_s", "non-padding tokens of the batch / step time, latest step", "tokens/s",
+                  "aar_learner_tokens_per_second"),
+    LearnerMetric("policy_loss", "policy loss (algorithm.policy_loss), latest step", "", "aar_learner_policy_loss"),
+    LearnerMetric("value_loss", "clipped value loss of the critic, latest step (gae only)", "",
+                  "aar_learner_value_loss"),
+    LearnerMetric("kl", "KL to the reference policy (the behavior policy without one) by algorithm.kl_estimator, "
+                  "latest step (only with algorithm.kl_coef > 0)", "nats", "aar_learner_kl"),
+    LearnerMetric("approx_kl", "KL(anchor || live policy) by k3 over the updates, latest step; anchor: proximal "
+                  "(decoupled_ppo) or behavior (ppo)", "nats", "aar_learner_approx_kl"),
+    LearnerMetric("behavior_kl", "KL(behavior || proximal): staleness plus engine mismatch (decoupled_ppo)", "nats",
+                  "aar_learner_behavior_kl"),
+    LearnerMetric("entropy", "policy entropy of softmax(logits / T) over loss positions", "nats",
+                  "aar_learner_entropy"),
+    LearnerMetric("clip_frac", "fraction of loss tokens with the PPO clip active", "", "aar_learner_clip_fraction"),
+    LearnerMetric("dual_clip_frac", "fraction of loss tokens with the dual clip active", "",
+                  "aar_learner_dual_clip_fraction"),
+    LearnerMetric("iw_mean", "mean behavior importance weight exp(proximal - behavior) before the cap "
+                  "(decoupled_ppo)", "", "aar_learner_importance_weight_mean"),
+    LearnerMetric("iw_max", "max behavior importance weight before the cap (decoupled_ppo)", "",
+                  "aar_learner_importance_weight_max"),
+    LearnerMetric("iw_capped_frac", "fraction of loss tokens whose importance weight was truncated or masked "
+                  "(decoupled_ppo)", "", "aar_learner_importance_weight_capped_fraction"),
+    LearnerMetric("grad_norm", "policy gradient norm before clipping, mean over the step's optimizer updates", "",
+                  "aar_learner_grad_norm"),
+    LearnerMetric("critic_grad_norm", "critic gradient norm before clipping (gae only)", "",
+                  "aar_learner_critic_grad_norm"),
+    LearnerMetric("lr", "policy learning rate of the step", "", "aar_learner_lr"),
+    LearnerMetric("staleness_mean", "mean staleness (learner version - oldest token version) of the latest batch's "
+                  "trajectories", "versions", "aar_learner_batch_staleness_mean"),
+    LearnerMetric("staleness_max", "max staleness of the latest batch's trajectories", "versions",
+                  "aar_learner_batch_staleness_max"),
+    LearnerMetric("reward_mean", "mean episode reward of the latest batch", "", "aar_learner_batch_reward_mean"),
+    LearnerMetric("advantage_mean", "mean advantage over loss positions, latest batch", "",
+                  "aar_learner_advantage_mean"),
+)
+
+
+def check_learner_metrics(stats: type = LearnerStats, rows: tuple[LearnerMetric, ...] = LEARNER_METRICS) -> None:
+    """Every field of ``stats`` (but ``extra`` and ``batch``) has a row, every row reads a field or property, no
+    metric is named twice; else ``TypeError`` naming them. Run at import."""
+    fields = {f.name for f in dataclasses.fields(stats)} - {"extra", "batch"}
+    read = {m.field for m in rows}
+    unknown = {f for f in read - fields if not isinstance(getattr(stats, f, None), property)}
+    if fields - read or unknown:
+        raise TypeError(f"LEARNER_METRICS and {stats.__name__} disagree: fields without a row (declare each in "
+                        f"LEARNER_METRICS) {sorted(fields - read)}, rows without a field {sorted(unknown)}")
+    if len({m.metric for m in rows}) != len(rows):
+        raise TypeError("LEARNER_METRICS names a metric twice")
+
+
+check_learner_metrics()
 
 
 # ------------------------------------------------------------------------------------------------------ driver

@@ -44,33 +44,10 @@ Finite training: a step whose policy loss or gradient norm (critic's too) is not
 parameter. The run stops there; nothing non-finite is published or saved, so the last checkpoint on disk is the
 last good policy.
 
-Metrics of ``train_step`` (``LearnerStats``, over the whole batch on every rank, as one rank reports them; losses are
-the mini-batch aggregates averaged over updates):
-
-=====================  =================================================================================
-key                    meaning
-=====================  =================================================================================
-policy_loss            the policy loss (``POLICY_LOSSES[algorithm.policy_loss]``)
-kl                     KL to the reference (or to the behavior policy without one), ``kl_estimator``; only
-                       when ``kl_coef > 0``
-entropy                entropy of ``softmax(logits / T)`` over loss positions
-value_loss             clipped value loss of the critic (``gae`` only); ``vf_clip_frac`` its clip fraction
-clip_frac              fraction of loss tokens where the PPO clip is active; ``dual_clip_frac`` likewise
-approx_kl              KL(anchor || live) by k3, anchor = proximal (decoupled) or behavior (ppo)
-iw_mean, iw_max        behavior importance weight ``exp(proximal - behavior)`` before the cap (decoupled)
-iw_capped_frac         fraction of loss tokens whose weight was truncated or masked (decoupled)
-behavior_kl            KL(behavior || proximal), staleness plus trainer/inference mismatch (decoupled)
-grad_norm              global gradient norm before clipping, mean over optimizer updates
-critic_grad_norm       the same for the critic (``gae`` only)
-lr                     policy learning rate of this step
-staleness_mean/max     ``staleness.staleness`` over the batch's trajectories
-reward_mean            mean episode reward of the batch
-advantage_mean         mean advantage over loss positions
-loss_tokens            loss positions in the batch
-step_time_s            wall time of ``train_step``
-tokens_per_s           non-padding tokens of the batch / step_time_s
-step, version          counters after the step
-=====================  =================================================================================
+Metrics of ``train_step``: ``LearnerStats``, over the whole batch on every rank, as one rank reports them; losses
+are the mini-batch aggregates averaged over updates. Each key, its meaning, unit and Prometheus metric are declared
+once, in ``async_agent_rl.stats.LEARNER_METRICS`` (``docs/METRICS.md`` lists them); keys the losses report that
+have no field (``vf_clip_frac``, the critic's clip fraction) go to ``LearnerStats.extra``.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from async_agent_rl.stats import (
-    AdmissionStats, BufferStats, DriverStats, EvalScore, LearnerStats, LearningStats, PublishStats, RolloutStats,
-    RunTotals, SearchStats,
+    LEARNER_METRICS, AdmissionStats, BufferStats, DriverStats, EvalScore, LearnerStats, LearningStats, PublishStats,
+    RolloutStats, RunTotals, SearchStats,
 )
 
 PREFIX = "aar_"
@@ -216,46 +216,44 @@ ADMISSION_OLDEST_OPEN_VERSION = _define(
     field="oldest_open_version")
 
 # ------------------------------------------------------------------------------------------------------ learner
-LEARNER_STEP = _define("learner", "aar_learner_step", GAUGE, "learner steps done", field="step")
-LEARNER_VERSION = _define("learner", "aar_learner_policy_version", GAUGE, "learner policy version (published updates)", field="version")
-LEARNER_STEPS = _define("learner", "aar_learner_steps_total", COUNTER, "learner steps observed", field="step")
-LEARNER_TRAINED_TOKENS = _define(
-    "learner", "aar_learner_trained_tokens_total", COUNTER, "non-padding tokens trained on", field="trained_tokens")
-LEARNER_LOSS_TOKENS = _define("learner", "aar_learner_loss_tokens_total", COUNTER, "loss positions trained on", field="loss_tokens")
-LEARNER_STEP_SECONDS = _define(
-    "learner", "aar_learner_step_seconds", HISTOGRAM, "wall time of one train_step", (), STEP_SECONDS_BUCKETS, field="step_time_s")
-LEARNER_TOKENS_PER_SECOND = _define(
-    "learner", "aar_learner_tokens_per_second", GAUGE, "non-padding tokens / step time, latest step", field="tokens_per_s")
-LEARNER_POLICY_LOSS = _define("learner", "aar_learner_policy_loss", GAUGE, "policy loss, latest step", field="policy_loss")
-LEARNER_VALUE_LOSS = _define("learner", "aar_learner_value_loss", GAUGE, "critic value loss, latest step (gae)", field="value_loss")
-LEARNER_KL = _define("learner", "aar_learner_kl", GAUGE, "KL to the reference policy, latest step", field="kl")
-LEARNER_APPROX_KL = _define(
-    "learner", "aar_learner_approx_kl", GAUGE, "KL(anchor || live policy) by k3 over the updates, latest step", field="approx_kl")
-LEARNER_BEHAVIOR_KL = _define(
-    "learner", "aar_learner_behavior_kl", GAUGE, "KL(behavior || proximal): staleness plus engine mismatch", field="behavior_kl")
-LEARNER_ENTROPY = _define("learner", "aar_learner_entropy", GAUGE, "policy entropy over loss positions", field="entropy")
-LEARNER_CLIP_FRACTION = _define(
-    "learner", "aar_learner_clip_fraction", GAUGE, "fraction of loss tokens with the PPO clip active", field="clip_frac")
-LEARNER_DUAL_CLIP_FRACTION = _define(
-    "learner", "aar_learner_dual_clip_fraction", GAUGE, "fraction of loss tokens with the dual clip active", field="dual_clip_frac")
-LEARNER_IW_MEAN = _define(
-    "learner", "aar_learner_importance_weight_mean", GAUGE, "mean behavior importance weight before the cap", field="iw_mean")
-LEARNER_IW_MAX = _define(
-    "learner", "aar_learner_importance_weight_max", GAUGE, "max behavior importance weight before the cap", field="iw_max")
-LEARNER_IW_CAPPED_FRACTION = _define(
-    "learner", "aar_learner_importance_weight_capped_fraction", GAUGE,
-    "fraction of loss tokens whose importance weight was truncated or masked", field="iw_capped_frac")
-LEARNER_GRAD_NORM = _define("learner", "aar_learner_grad_norm", GAUGE, "policy gradient norm before clipping", field="grad_norm")
-LEARNER_CRITIC_GRAD_NORM = _define("learner", "aar_learner_critic_grad_norm", GAUGE, "critic gradient norm (gae)", field="critic_grad_norm")
-LEARNER_LR = _define("learner", "aar_learner_lr", GAUGE, "policy learning rate", field="lr")
-LEARNER_BATCH_STALENESS_MEAN = _define(
-    "learner", "aar_learner_batch_staleness_mean", GAUGE, "mean staleness of the latest batch's trajectories", field="staleness_mean")
-LEARNER_BATCH_STALENESS_MAX = _define(
-    "learner", "aar_learner_batch_staleness_max", GAUGE, "max staleness of the latest batch's trajectories", field="staleness_max")
-LEARNER_BATCH_REWARD_MEAN = _define(
-    "learner", "aar_learner_batch_reward_mean", GAUGE, "mean episode reward of the latest batch", field="reward_mean")
-LEARNER_ADVANTAGE_MEAN = _define(
-    "learner", "aar_learner_advantage_mean", GAUGE, "mean advantage over loss positions, latest batch", field="advantage_mean")
+# Declared once, in async_agent_rl.stats.LEARNER_METRICS (field, meaning, unit, name, kind): every row is defined
+# here, and LearnerMetrics feeds them all. The constants are handles for code that names one.
+for _m in LEARNER_METRICS:
+    _define("learner", _m.metric, _m.kind, _m.help, buckets=STEP_SECONDS_BUCKETS if _m.kind == HISTOGRAM else None,
+            field=_m.field)
+
+
+def _learner(field: str, kind: str = GAUGE) -> str:
+    """The name of the learner metric of ``kind`` that ``LearnerStats.field`` feeds."""
+    (name,) = [m.metric for m in LEARNER_METRICS if m.field == field and m.kind == kind]
+    return name
+
+
+LEARNER_STEP = _learner("step")
+LEARNER_VERSION = _learner("version")
+LEARNER_STEPS = _learner("step", COUNTER)
+LEARNER_TRAINED_TOKENS = _learner("trained_tokens", COUNTER)
+LEARNER_LOSS_TOKENS = _learner("loss_tokens", COUNTER)
+LEARNER_STEP_SECONDS = _learner("step_time_s", HISTOGRAM)
+LEARNER_TOKENS_PER_SECOND = _learner("tokens_per_s")
+LEARNER_POLICY_LOSS = _learner("policy_loss")
+LEARNER_VALUE_LOSS = _learner("value_loss")
+LEARNER_KL = _learner("kl")
+LEARNER_APPROX_KL = _learner("approx_kl")
+LEARNER_BEHAVIOR_KL = _learner("behavior_kl")
+LEARNER_ENTROPY = _learner("entropy")
+LEARNER_CLIP_FRACTION = _learner("clip_frac")
+LEARNER_DUAL_CLIP_FRACTION = _learner("dual_clip_frac")
+LEARNER_IW_MEAN = _learner("iw_mean")
+LEARNER_IW_MAX = _learner("iw_max")
+LEARNER_IW_CAPPED_FRACTION = _learner("iw_capped_frac")
+LEARNER_GRAD_NORM = _learner("grad_norm")
+LEARNER_CRITIC_GRAD_NORM = _learner("critic_grad_norm")
+LEARNER_LR = _learner("lr")
+LEARNER_BATCH_STALENESS_MEAN = _learner("staleness_mean")
+LEARNER_BATCH_STALENESS_MAX = _learner("staleness_max")
+LEARNER_BATCH_REWARD_MEAN = _learner("reward_mean")
+LEARNER_ADVANTAGE_MEAN = _learner("advantage_mean")
 
 # ------------------------------------------------------------------------------------- driver and weight sync
 DRIVER_POLICY_VERSION = _define(

@@ -353,6 +353,38 @@ def test_learner_metrics_count_each_step_once_and_skip_uncomputed_gauges():
     assert value(reg, M.LEARNER_VALUE_LOSS) is None
 
 
+def test_every_learner_quantity_is_declared_once_exported_and_recorded():
+    """``LEARNER_METRICS`` is the one declaration: a ``LearnerStats`` field without a row fails at import (shown here
+    on a copy with one field more), every row is a Prometheus metric of its kind, help and field, a step with every
+    quantity set sets every one of them, and metrics.jsonl's ``learner`` record (``as_dict``) has every field."""
+    rows = stats_module.LEARNER_METRICS
+    stats_module.check_learner_metrics()
+    grown = dataclasses.make_dataclass("GrownLearnerStats", [("new_quantity", float, 0.0)], bases=(LearnerStats,))
+    with pytest.raises(TypeError, match=r"fields without a row \(declare each in LEARNER_METRICS\) \['new_quantity'\]"):
+        stats_module.check_learner_metrics(grown)
+    with pytest.raises(TypeError, match=r"rows without a field \['gone'\]"):
+        stats_module.check_learner_metrics(rows=rows + (stats_module.LearnerMetric("gone", "x", "", "aar_learner_gone"),))
+
+    learner_specs = {s.name: s for s in M.SPECS.values() if s.component == "learner"}
+    assert sorted(learner_specs) == sorted(m.metric for m in rows)  # nothing declared elsewhere
+    for m in rows:
+        spec = learner_specs[m.metric]
+        assert (spec.kind, spec.field, spec.help, spec.source) == (m.kind, m.field, m.help, LearnerStats), m
+        assert m.meaning and m.unit in ("", "s", "tokens", "tokens/s", "nats", "versions"), m
+
+    full = learner_stats(step=3, gae=True)
+    unset = [f.name for f in dataclasses.fields(full) if getattr(full, f.name) is None]
+    assert not unset, f"learner_stats() leaves {unset} unset: give them values"
+    reg = M.new_registry()
+    M.LearnerMetrics(reg).update(full)
+    for m in rows:
+        sample = m.metric + ("_count" if m.kind == M.HISTOGRAM else "")
+        assert value(reg, sample) is not None, f"{m.metric} (LearnerStats.{m.field}) is not exported"
+    record = full.as_dict()  # the learner entry of metrics.jsonl
+    fields = {f.name for f in dataclasses.fields(full)} - {"extra", "batch"}
+    assert fields <= set(record), f"not recorded in metrics.jsonl: {sorted(fields - set(record))}"
+
+
 def test_driver_and_eval_metrics():
     reg = M.new_registry()
     d, e = M.DriverMetrics(reg), M.EvalMetrics(reg)
