@@ -33,12 +33,17 @@ log = logging.getLogger(__name__)
 
 
 class RolloutActor:
-    def __init__(self, cfg_dict: dict, index: int, buffer: Any, retriever_url: str, model_path: str, version: int = 0):
+    """Its constructor takes plain values only (the config as a dict, strings, ints); the buffer actor's handle comes
+    with ``setup``. Ray re-runs a restarted actor's ``__init__`` with the arguments it was created with, and an actor
+    handle among them is a reference Ray must keep for that: it said so in an ``E`` line (``core_worker.cc: ... has
+    constructor arguments in the object store and max_restarts > 0``) at every training start."""
+
+    def __init__(self, cfg_dict: dict, index: int, retriever_url: str, model_path: str, version: int = 0):
         from async_agent_rl.config import build_config
 
         self.cfg: Config = build_config(cfg_dict, "rollout actor")
         self.index = index
-        self.buffer = buffer
+        self.buffer: Any = None  # the buffer actor, given to setup()
         self.url = retriever_url
         self.model_path = model_path
         self.initial_version = version
@@ -48,11 +53,13 @@ class RolloutActor:
         self._updates: list[WeightUpdate] = []
         self._pending: tuple[int, Mapping[str, Any]] | None = None  # weights that arrived before setup()
 
-    async def setup(self) -> dict:
-        """Create the engine and the worker (async: the engine lives on this actor's event loop)."""
+    async def setup(self, buffer: Any) -> dict:
+        """Create the engine and the worker (async: the engine lives on this actor's event loop); ``buffer`` is the
+        replay buffer actor its admission, pushes and lost episodes go to. Called again after a restart."""
         from transformers import AutoTokenizer
 
         cfg = self.cfg
+        self.buffer = buffer
         examples, report = read_qa_files(cfg.data.train_files, cfg.data.on_bad_row)
         self.engine = await create_engine(cfg, self.model_path, self.initial_version)
         if self._pending is not None:
@@ -203,9 +210,10 @@ class RolloutActor:
 
 
 def create_rollout_actors(
-    cfg: Config, buffer: Any, retriever_url: str, model_path: str, version: int = 0, max_restarts: int = 0
+    cfg: Config, retriever_url: str, model_path: str, version: int = 0, max_restarts: int = 0
 ) -> list[Any]:
-    """Start ``rollout.num_actors`` actors with resources and engine environment from config."""
+    """Start ``rollout.num_actors`` actors with resources and engine environment from config; ``setup(buffer)`` on
+    each makes it ready (``RolloutActor``: why the buffer is not a constructor argument)."""
     from actors.engine import cpu_engine_env
 
     env = dict(cfg.cluster.env_vars)
@@ -218,6 +226,6 @@ def create_rollout_actors(
         runtime_env={"env_vars": env},
     )(RolloutActor)
     return [
-        actor_cls.options(name=f"rollout-{i}").remote(cfg.to_dict(), i, buffer, retriever_url, model_path, version)
+        actor_cls.options(name=f"rollout-{i}").remote(cfg.to_dict(), i, retriever_url, model_path, version)
         for i in range(cfg.rollout.num_actors)
     ]

@@ -116,7 +116,7 @@ class Fleet:
         deadline = time.monotonic() + limit
         while True:  # Ray re-runs __init__ in a new process (max_restarts); wait until it answers and is set up
             try:
-                ray.get(actor.setup.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                ray.get(actor.setup.remote(self.buffer), timeout=max(1.0, deadline - time.monotonic()))
                 break
             except (RayActorError, GetTimeoutError) as e:
                 if time.monotonic() >= deadline:

@@ -347,9 +347,9 @@ class Trainer:
                 self.learner = self.versions.learner = self._started(learner.result)
                 self._restore()
                 actor_model = str(self.resume_from / "policy")
-            actors = create_rollout_actors(cfg, self.buffer, self.url, actor_model, self.versions.version,
+            actors = create_rollout_actors(cfg, self.url, actor_model, self.versions.version,
                                            max_restarts=cfg.cluster.max_actor_restarts)
-            infos = self._started(lambda: ray.get([a.setup.remote() for a in actors],
+            infos = self._started(lambda: ray.get([a.setup.remote(self.buffer) for a in actors],
                                                   timeout=cfg.cluster.actor_setup_timeout_s), what="rollout")
             self.learner = self.versions.learner = self._started(learner.result)
         self.versions.publisher = create_publisher(
