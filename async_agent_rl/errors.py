@@ -33,9 +33,12 @@ def _ray_failure(e: BaseException) -> tuple[str, BaseException | None] | None:
             found = re.search(r"ray::([\w.]+)\(", str(e))
             name = found.group(1) if found else "a Ray task"
         return name, e.__dict__["cause"]
-    if isinstance(e, exc.RayActorError):
-        first = (getattr(e, "error_msg", "") or str(e)).strip().splitlines()
-        return f"a Ray actor died: {first[0] if first else type(e).__name__}", None
+    if isinstance(e, exc.RayActorError):  # its message names the actor's class on a line of its own
+        text = (getattr(e, "error_msg", "") or str(e)).strip()
+        first = text.splitlines()
+        named = re.search(r"^\s*class_name: (\w+)", text, re.MULTILINE)
+        who = f"the Ray actor {named.group(1)} died" if named else "a Ray actor died"
+        return f"{who}: {first[0] if first else type(e).__name__}", None
     return None
 
 

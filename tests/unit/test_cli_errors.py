@@ -111,8 +111,18 @@ def test_failures_inside_ray_actors_are_unwrapped_and_name_the_component():
     bug = RayTaskError("LearnerActor.train_step", "Traceback ...", KeyError("logprobs"),
                        proctitle="ray::LearnerActor.train_step").as_instanceof_cause()  # fmt: skip
     assert error_line(bug) == "error: in LearnerActor.train_step: KeyError: 'logprobs'"
-    dead = RayActorError(error_msg="The actor died unexpectedly before finishing this task.\n\tclass_name: X")
-    assert error_line(dead) == "error: a Ray actor died: The actor died unexpectedly before finishing this task."
+    # a dead actor is named by its class (Ray's message has it on a line of its own), so a killed buffer or learner
+    # is blamed by name, also when another actor's task failed on it
+    text = "The actor died unexpectedly before finishing this task.\n\tclass_name: BufferActor\n\tactor_id: 1a"
+    dead = RayActorError(error_msg=text)
+    assert error_line(dead) == ("error: the Ray actor BufferActor died: The actor died unexpectedly before finishing "
+                                "this task.")
+    downstream = RayTaskError("LearnerActor.train_step", "Traceback ...", dead,
+                              proctitle="ray::LearnerActor.train_step").as_instanceof_cause()
+    assert error_line(downstream) == ("error: in LearnerActor.train_step: the Ray actor BufferActor died: The actor "
+                                      "died unexpectedly before finishing this task.")
+    anonymous = RayActorError(error_msg="The actor died unexpectedly before finishing this task.")
+    assert error_line(anonymous) == "error: a Ray actor died: The actor died unexpectedly before finishing this task."
     assert error_line(KeyError("x")) is None  # a bug in the driver itself is not dressed up as bad input
 
 
