@@ -8,8 +8,8 @@ the current policy version from ``PolicyVersions.catch_up`` before it runs again
 restarts of an actor are used up, the next problem ends the run in one ``error:`` line. The retrieval server the
 run started is restarted on its port when it exits or stops answering ``/health``.
 
-``Fleet.stall_report`` is the one line a stalled run ends with (``stall_message``): which component is blocked and
-the state of every component.
+``Fleet.stall_report`` is the one line a stalled run ends with (``stall_message``): which component is blocked
+(``blocked_component``, one of ``BLAMED``) and the state of every component.
 """
 
 from __future__ import annotations
@@ -202,32 +202,61 @@ class Fleet:
         return RunFailed(stall_message(
             step=step, waited=waited, limit=limit, configured=self.cfg.cluster.progress_timeout_s is not None,
             learner=learner, buffer=buffer, actors=actors, last_push_s=pushes, last_publish=publish,
-            checkpoint=saved, floor=floor))
+            checkpoint=saved, batch_groups=self.cfg.learner.batch_size // self.cfg.rollout.group_size, floor=floor))
+
+
+LEARNER, BUFFER, ACTORS_SILENT, PUSHES, ADMISSION, GENERATION = (
+    "the learner", "the replay buffer", "rollout actor", "the rollout actors' pushes", "admission",
+    "the rollout actors")
+BLAMED = (LEARNER, BUFFER, ACTORS_SILENT, PUSHES, ADMISSION, GENERATION)  # what a stall report may name as blocked
+
+
+def blocked_component(*, learner: str, buffer: BufferStats | str, actors: Sequence[RolloutStats | str],
+                      batch_groups: int) -> str:
+    """The part of a stalled run that is blocked, with why, for the report's ``blocked:`` clause; it starts with one
+    of ``BLAMED``. The first that holds, in the order a batch travels backwards from the learner:
+
+    - the learner: it computes a step that does not end, or does not answer after the buffer's "no batch";
+    - the replay buffer: the learner waits for its answer to ``sample_batch``, or its ``stats()`` fail or go
+      unanswered, or it holds ``batch_groups`` ready groups (a batch) while the idle learner got none;
+    - rollout actors that do not answer ``stats()``;
+    - the actors' pushes: no episode runs but finished ones were not pushed;
+    - admission: no episode runs and nothing waits to be pushed, so admission grants no group;
+    - the rollout actors: episodes run and no batch completes."""
+    running = [a.running for a in actors if isinstance(a, RolloutStats)]
+    silent = [i for i, a in enumerate(actors) if isinstance(a, str)]
+    if learner.startswith(("computing", "not answering")):
+        return f"{LEARNER} ({learner})"
+    if "the buffer's answer" in learner:  # asked for a batch, the buffer never answered
+        if isinstance(buffer, str):
+            return f"{BUFFER} ({buffer}; no answer to sample_batch either)"
+        return f"{BUFFER} (no answer to sample_batch, though it answers stats())"
+    if isinstance(buffer, str):
+        return f"{BUFFER} ({buffer})"
+    if buffer.ready_groups >= batch_groups:
+        return (f"{BUFFER} ({buffer.ready_groups} ready groups, a batch needs {batch_groups}, yet sample_batch "
+                "handed none)")
+    if silent:
+        return f"{ACTORS_SILENT}{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} (not answering)"
+    unpushed = sum(max(0, a.finished - a.pushed) for a in actors if isinstance(a, RolloutStats))
+    if sum(running) == 0 and unpushed:
+        return f"{PUSHES} ({unpushed} finished episodes not pushed to the buffer)"
+    if sum(running) == 0:
+        return (f"{ADMISSION} (no episode running: {buffer.admission.groups_open} groups open, the oldest admitted "
+                f"at version {buffer.admission.oldest_open_version}, learner version {buffer.learner_version})")
+    return f"{GENERATION} ({sum(running)} episodes running, no batch completed)"
 
 
 def stall_message(*, step: int, waited: float, limit: float, configured: bool, learner: str,
                   buffer: BufferStats | str, actors: Sequence[RolloutStats | str], last_push_s: Sequence[float | None],
-                  last_publish: tuple[int, float] | None, checkpoint: str, floor: float = PROGRESS_FLOOR_S) -> str:
-    """The one line a stalled run ends with: how long nothing happened, which component is blocked, and the state
-    of every component (``learner``: what the learner does; ``buffer``/``actors``: their stats, or why there are
-    none; ``last_push_s``: seconds since each actor's pushed count last rose, None: never; ``last_publish``:
-    (version, seconds ago); ``floor``: the watchdog's floor when the limit is not configured)."""
-    running = [a.running for a in actors if isinstance(a, RolloutStats)]
-    silent = [i for i, a in enumerate(actors) if isinstance(a, str)]
-    if learner.startswith(("computing", "not answering")):
-        blocked = f"the learner ({learner})"
-    elif isinstance(buffer, str):
-        blocked = f"the replay buffer ({buffer})"
-    elif silent:
-        blocked = f"rollout actor{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} (not answering)"
-    elif sum(running) == 0 and (unpushed := sum(max(0, a.finished - a.pushed) for a in actors
-                                                 if isinstance(a, RolloutStats))):
-        blocked = f"the rollout actors' pushes ({unpushed} finished episodes not pushed to the buffer)"
-    elif sum(running) == 0:
-        blocked = (f"admission (no episode running: {buffer.admission.groups_open} groups open, the oldest "
-                   f"admitted at version {buffer.admission.oldest_open_version}, learner version {buffer.learner_version})")
-    else:
-        blocked = f"the rollout actors ({sum(running)} episodes running, no batch completed)"
+                  last_publish: tuple[int, float] | None, checkpoint: str, batch_groups: int,
+                  floor: float = PROGRESS_FLOOR_S) -> str:
+    """The one line a stalled run ends with: how long nothing happened, which component is blocked
+    (``blocked_component``), and the state of every component (``learner``: what the learner does;
+    ``buffer``/``actors``: their stats, or why there are none; ``last_push_s``: seconds since each actor's pushed
+    count last rose, None: never; ``last_publish``: (version, seconds ago); ``batch_groups``: groups in a batch;
+    ``floor``: the watchdog's floor when the limit is not configured)."""
+    blocked = blocked_component(learner=learner, buffer=buffer, actors=actors, batch_groups=batch_groups)
     unset = f" unset: max({floor:.0f}, {PROGRESS_STEPS} x the slowest step)"
     parts = [f"no learner step completed for {waited:.0f} s (step {step + 1}; limit {limit:.0f} s, "
              f"cluster.progress_timeout_s{'' if configured else unset})",

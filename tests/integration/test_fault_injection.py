@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from async_agent_rl.config import load_config
+from driver.fleet import BLAMED, BUFFER, LEARNER
 from learner.checkpoint import verify_manifest
 from tests.helpers import Run, leaked_weight_dirs, shm_weight_dirs, world_overrides
 
@@ -73,20 +74,31 @@ class Fault:
     how: str  # "kill", "stop", "exporter" (in-driver), "disk-full"
     outcome: str  # "recovered" (every step done, counted) or "ended" (one error: line)
     counted: str = ""  # the summary.json key that counts the recovery
+    # the part the fault is blamed on: "recovered", the [fault] line (its start) that names it before the recovery;
+    # "ended", words of which the error line has one, whichever of the run's waits noticed it first
+    blamed: tuple[str, ...] = ()
+    blocked: str = ""  # "ended": the part a stall report's "blocked:" clause must name, if the watchdog reports it
 
 
+BUFFER_NAMES = ("the buffer actor", "the replay buffer", "BufferActor")  # an ask, a stall report, Ray's dead actor
+LEARNER_NAMES = ("the learner", "LearnerActor")  # LearnerTimeout or a stall report, Ray's dead actor
 FAULTS = {
-    "rollout actor, killed": Fault("ray::RolloutActor", "kill", "recovered", "actor_restarts"),
-    "rollout actor, stopped": Fault("ray::RolloutActor", "stop", "recovered", "actor_restarts"),
-    "buffer actor, killed": Fault("ray::BufferActor", "kill", "ended"),
-    "buffer actor, stopped": Fault("ray::BufferActor", "stop", "ended"),
-    "learner, killed": Fault("ray::LearnerActor", "kill", "ended"),
-    "learner, stopped": Fault("ray::LearnerActor", "stop", "ended"),
-    "retrieval server, killed": Fault("-m retriever serve", "kill", "recovered", "retriever_restarts"),
-    "retrieval server, stopped": Fault("-m retriever serve", "stop", "recovered", "retriever_restarts"),
+    "rollout actor, killed": Fault("ray::RolloutActor", "kill", "recovered", "actor_restarts",
+                                   ("[fault] rollout actor 0: ",)),
+    "rollout actor, stopped": Fault("ray::RolloutActor", "stop", "recovered", "actor_restarts",
+                                    ("[fault] rollout actor 0: ",)),
+    "buffer actor, killed": Fault("ray::BufferActor", "kill", "ended", blamed=BUFFER_NAMES, blocked=BUFFER),
+    "buffer actor, stopped": Fault("ray::BufferActor", "stop", "ended", blamed=BUFFER_NAMES, blocked=BUFFER),
+    "learner, killed": Fault("ray::LearnerActor", "kill", "ended", blamed=LEARNER_NAMES, blocked=LEARNER),
+    "learner, stopped": Fault("ray::LearnerActor", "stop", "ended", blamed=LEARNER_NAMES, blocked=LEARNER),
+    "retrieval server, killed": Fault("-m retriever serve", "kill", "recovered", "retriever_restarts",
+                                      ("[fault] retrieval server exited (signal 9)",)),
+    "retrieval server, stopped": Fault("-m retriever serve", "stop", "recovered", "retriever_restarts",
+                                       ("[fault] retrieval server did not answer /health",)),
     "metrics exporter, died": Fault("", "exporter", "recovered", "exporter_restarts"),
-    "checkpoint disk, full": Fault("", "disk-full", "ended"),
+    "checkpoint disk, full": Fault("", "disk-full", "ended", blamed=("the checkpoint of step",)),
 }
+assert all(f.blamed for f in FAULTS.values() if f.how != "exporter"), "each fault names the part it is blamed on"
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -189,11 +201,14 @@ def test_every_recoverable_fault_is_recovered_one_after_another_in_one_run(tmp_p
             fault = FAULTS[name]
             seen |= {p.pid: describe(p) for p in tree(run.proc.pid)}
             before = count_lines(run, RECOVERY_LINE[fault.target])
+            blamed_before = count_lines(run, fault.blamed[0])
             target = inject(run, fault, spare={p.pid for p in stopped})
             injected.append(name)
             if fault.how == "stop":
                 stopped.append(target)
             wait_for_count(run, RECOVERY_LINE[fault.target], before + 1, timeout_s=WATCHDOG_S + 180)
+            # the recovery followed a [fault] line that named the part at fault (and how it failed)
+            assert count_lines(run, fault.blamed[0]) > blamed_before, (name, fault.blamed, run.text())
             if name != RECOVERED[-1]:  # the next fault after the next checkpoint: progress since this recovery
                 wait_for_count(run, "[checkpoint] ", count_lines(run, "[checkpoint] ") + 1, timeout_s=WATCHDOG_S + 180)
         seen |= {p.pid: describe(p) for p in tree(run.proc.pid)}
@@ -263,6 +278,12 @@ def test_a_fault_that_ends_the_run_ends_it_in_one_error_line(name, tmp_path, wor
     assert "Traceback" not in "\n".join(run.out + run.err), console
     errors = [x for x in run.err + run.out if x.startswith("error:")]
     assert rc not in (0, None) and len(errors) == 1, console
+    line = errors[0]
+    assert any(word in line for word in fault.blamed), f"{name}: the error line does not name {fault.blamed}: {line}"
+    if "; blocked: " in line:  # the watchdog's report: it must blame the part at fault, not another
+        clause = line.split("; blocked: ", 1)[1]
+        named = max((part for part in BLAMED if clause.startswith(part)), key=len, default=None)
+        assert named == fault.blocked, f"{name}: the stall report blames {named!r}, not {fault.blocked!r}: {line}"
     assert ended < WATCHDOG_S + 120, f"ended {ended:.0f} s after the fault (watchdog {WATCHDOG_S} s)"
     assert not partial, f"a partial checkpoint was left: {partial}"
     assert not left, "processes of the run left 15 s after it ended:\n" + "\n".join(left)

@@ -25,11 +25,14 @@ from pathlib import Path
 import pytest
 
 from async_agent_rl.config import load_config
+from driver.fleet import BUFFER
 from tests.helpers import Run, listening_sockets, world_overrides
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+# Ray's line for a restartable actor created with an argument it keeps by reference (the buffer's handle once)
+RAY_ARGUMENT_LINE = "has constructor arguments in the object store and max_restarts > 0"
 SMALL = [
     "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=8",
     "rollout.group_size=4", "rollout.max_concurrent_episodes=16", "eval.num_questions=8", "eval.at_start=false",
@@ -103,9 +106,16 @@ def test_a_run_whose_learner_gets_no_batch_ends_in_one_error_line_with_a_checkpo
                  " groups open, oldest open version ", "actor0: running, ", " pushed, last push ",
                  "last publish: version 1, ", "checkpoint "):
         assert part in line, (part, line)
+    # the part at fault is the buffer's sample_batch: the actors filled the buffer with a batch's worth of ready
+    # groups (admission then had nothing left to grant), yet it handed the learner none; not admission, not the actors
+    blocked = line.split("; blocked: ", 1)[1].split("; learner: ", 1)[0]
+    assert blocked.startswith(f"{BUFFER} (") and blocked.endswith("a batch needs 4, yet sample_batch handed none)"), \
+        blocked
+    assert int(blocked.removeprefix(f"{BUFFER} (").split()[0]) >= 4, blocked
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     assert f"checkpoint {ckpt}" in line and (ckpt / "MANIFEST.json").is_file(), line
     assert "Traceback" not in "\n".join(run.err), run.text()
+    assert RAY_ARGUMENT_LINE not in run.text(), "Ray's constructor-argument error line is back at start-up"
     assert ended < limit + 60, f"ended {ended:.0f} s after the stall began (limit {limit} s)"
 
 
