@@ -498,6 +498,9 @@ class Config(_Section):
                 f"learner.batch_size ({self.learner.batch_size}): a batch is taken from the buffer whole, so one "
                 "that cannot fit never comes and the run waits forever"
             )
+        # the buffer's own rule (buffer.replay_buffer, "Capacity and backpressure"): it promises every missing member
+        # of a group under way max_trajectory_tokens, so at this capacity and up a batch always forms, at any push
+        # order; below it a batch of the longest trajectories never fits
         batch_tokens = self.learner.batch_size * self.max_trajectory_tokens
         if self.buffer.capacity_tokens < batch_tokens:
             raise ValueError(
@@ -530,7 +533,8 @@ class Config(_Section):
     def max_trajectory_tokens(self) -> int:
         """The longest trajectory the buffer may be given: a prompt of ``data.max_prompt_length`` (longer ones are
         skipped) and a response (model and observation tokens) of ``rollout.max_response_length``, which the
-        context bounds (``model.max_model_len``)."""
+        context bounds (``model.max_model_len``). The replay buffer promises it to every member of a group under way
+        (and refuses a longer trajectory); ``buffer.capacity_tokens`` must hold ``learner.batch_size`` of them."""
         return min(self.model.max_model_len, self.data.max_prompt_length + self.rollout.max_response_length)
 
     def actor_asks(self, resource: str) -> list[tuple[str, int, float]]:

@@ -36,9 +36,11 @@ is one unit however many of its members arrive, and a group none of whose member
 unit. A full replay buffer cannot block it either: finished episodes refused for room wait in their actor's outbox
 while the buffer takes every member of the groups it holds (room is promised to them), so those groups complete;
 fewer than ``N`` ready groups then take less than a batch, and the buffer holds at least one, so a new group finds
-room (``buffer.replay_buffer``, "Capacity and backpressure"; the token capacity's promises are estimates, see
-there). ``tests/unit/test_staleness.py`` checks both claims on a model of the whole system over random loss
-patterns, eta 0..8, group sizes 1..8 and buffer capacities from one batch up.
+room (``buffer.replay_buffer``, "Capacity and backpressure": each missing member is promised a slot and the longest
+trajectory's tokens, and a config's capacities hold a batch of the longest, so this holds for tokens too).
+``tests/unit/test_staleness.py`` checks both claims on a model of the whole system over random loss patterns, eta
+0..8, group sizes 1..8 and buffer capacities from one batch up (``tests/unit/test_stalling_configs.py`` the token
+capacity).
 
 eta = 0 is synchronous: every group admitted at version ``v`` is consumed at ``v``.
 

@@ -51,12 +51,15 @@ SNAPSHOT_FILE = "replay_buffer.snapshot"
 
 class BufferActor:
     """``consumed_per_version``: trajectories the learner consumes per policy version (``learner.batch_size *
-    weight_sync.every_steps``); ``max_concurrent``: episodes in flight over all rollout actors."""
+    weight_sync.every_steps``); ``max_concurrent``: episodes in flight over all rollout actors;
+    ``max_trajectory_tokens``: the longest trajectory (``Config.max_trajectory_tokens``), the room the buffer promises
+    each member of a group under way (``buffer.replay_buffer``, "Capacity and backpressure")."""
 
     def __init__(self, config: BufferConfig, *, group_size: int, consumed_per_version: int, max_concurrent: int,
-                 batch_size: int, pad_id: int = 0):
+                 batch_size: int, max_trajectory_tokens: int, pad_id: int = 0):
         self.config = config
         self.group_size = group_size
+        self.max_trajectory_tokens = max_trajectory_tokens
         self.batch_size = batch_size
         self.pad_id = pad_id
         self._changed = asyncio.Event()  # set when a batch may have become possible (async actor: one event loop)
@@ -77,7 +80,8 @@ class BufferActor:
         self._deferred: Optional[list[tuple[int, str]]] = None  # evictions seen inside a push
 
     def _new_buffer(self) -> ReplayBuffer:
-        return ReplayBuffer(self.config, self.group_size, on_evict=self._on_evict, on_consume=self._on_consume)
+        return ReplayBuffer(self.config, self.group_size, max_trajectory_tokens=self.max_trajectory_tokens,
+                            on_evict=self._on_evict, on_consume=self._on_consume)
 
     def _wake(self) -> None:
         self._changed.set()
@@ -218,8 +222,9 @@ class BufferActor:
     def restore(self, path: Optional[str] = None) -> BufferStats:
         """Replace the state with a snapshot's (raises ``SnapshotError`` naming the file); returns ``stats()``.
         Episodes that were running when the snapshot was taken count as rejected."""
-        buffer, extra = ReplayBuffer.restore(self._path(path), self.config, self.group_size, on_evict=self._on_evict,
-                                             on_consume=self._on_consume)
+        buffer, extra = ReplayBuffer.restore(self._path(path), self.config, self.group_size,
+                                             max_trajectory_tokens=self.max_trajectory_tokens,
+                                             on_evict=self._on_evict, on_consume=self._on_consume)
         try:
             state = extra["admission"]
             admission = AdmissionState.resumed(state, **self._admission_args)
@@ -245,6 +250,7 @@ def create_buffer_actor(cfg: Config, *, pad_id: int, name: Optional[str] = None)
         consumed_per_version=cfg.learner.batch_size * cfg.weight_sync.every_steps,
         max_concurrent=cfg.rollout.num_actors * cfg.rollout.max_concurrent_episodes,
         batch_size=cfg.learner.batch_size,
+        max_trajectory_tokens=cfg.max_trajectory_tokens,
         pad_id=pad_id,
     )
 

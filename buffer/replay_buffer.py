@@ -35,18 +35,29 @@ Length accounting. Every trajectory is counted by length bucket (response tokens
 drops slow episodes shows it here first.
 
 Capacity and backpressure. Memory is bounded by ``capacity_trajectories`` and ``capacity_tokens`` (prompt +
-response tokens), never exceeded. A trajectory that opens a new group must find room for the whole group on top
-of what pending groups were promised: ``group_size`` slots and ``group_size`` times its own length in tokens (at
-most ``capacity_tokens``); a pending group's promise is its missing members times its arrived members' mean length.
-Members of a pending group only need room for themselves, so groups under way can complete when the buffer is full.
+response tokens), never exceeded. The buffer is told the longest trajectory it may be given,
+``max_trajectory_tokens`` (``Config.max_trajectory_tokens``: ``data.max_prompt_length +
+rollout.max_response_length``, bounded by the context), and refuses a longer one (``CapacityError``). Room is
+promised, never estimated: every missing member of a pending group is promised one slot and
+``max_trajectory_tokens`` tokens, so *reserved* (stored plus promised) never exceeds the capacity. A trajectory
+that opens a new group must find room for the whole group on top of what is reserved: ``group_size`` slots and
+``group_size x max_trajectory_tokens`` tokens (at most ``capacity_tokens``). Members of a pending group only need
+room for themselves, which their promise guarantees, so groups under way always complete, however full the buffer.
 ``push`` takes every trajectory that fits and reports the ones it refused (``PushResult.refused``): the producer
 pushes those again later. Not a prefix: a push is in finishing order, so a new group's first member refused for
 room would otherwise hold back the members behind it that complete the groups the buffer already holds, and with
 ``capacity_trajectories`` below what admission lets run (``(eta + 1) x`` a batch) no batch ever formed (eta 1,
 groups of 2, batch 2, capacity 2: ``tests/unit/test_staleness.py``). Taking what fits, the pending groups complete,
-the learner takes a batch and the refused member finds room. The token promise (a pending group's arrived members'
-mean length) is an estimate: short first members can let in more groups than ``capacity_tokens`` can complete, a
-stall not fixed yet (``tests/unit/test_stalling_configs.py``, a strict xfail).
+the learner takes a batch and the refused member finds room.
+
+No stall, at any capacity a config allows. With ``capacity_trajectories >= batch_size`` and ``capacity_tokens >=
+batch_size x max_trajectory_tokens`` (the config's minimum, ``Config``'s validator: the same two numbers), a batch
+always forms: pending groups complete (above), and while fewer than ``batch_size / group_size`` groups are ready
+and none pending, the ready ones hold at most ``batch_size - group_size`` trajectories of at most
+``max_trajectory_tokens`` each, so a new group finds its room. The earlier promise, a pending group's arrived members'
+mean length, let short first members in more groups than the tokens could complete: at the least capacity
+allowed, 24 groups with a 3-token first member each, and no batch ever formed
+(``tests/unit/test_stalling_configs.py::test_token_promises_never_let_groups_in_that_cannot_all_complete``).
 
 Accounting: ``pushed == sampled + sum(evicted.values()) + size`` at all times; nothing leaves silently.
 """
@@ -84,7 +95,8 @@ COUNTERS = ("pushed", "sampled", "push_refused", "rejected", "groups_released_sh
 
 
 class CapacityError(ValueError):
-    """A trajectory is longer than ``capacity_tokens``: it could never fit."""
+    """A trajectory is longer than ``max_trajectory_tokens`` (the room promised to each member) or
+    ``capacity_tokens``: the buffer's promises could not hold it."""
 
 
 class SnapshotError(InputError):
@@ -189,13 +201,16 @@ def peek_group_id(blob: bytes) -> str:
 class ReplayBuffer:
     """See the module docstring. ``on_evict(n, group_id)`` is told of every eviction and ``on_consume(group_id)`` of
     every group a batch takes (the admission state's pacing follows both); ``clock`` gives seconds (monotonic) for
-    timeouts and ages."""
+    timeouts and ages. ``max_trajectory_tokens``: the longest trajectory it may be given
+    (``Config.max_trajectory_tokens``), the room promised to every missing member of a pending group ("Capacity and
+    backpressure")."""
 
     def __init__(
         self,
         config: BufferConfig,
         group_size: int,
         *,
+        max_trajectory_tokens: int,
         on_evict: Optional[Callable[[int, str], None]] = None,
         on_consume: Optional[Callable[[str], None]] = None,
         clock: Callable[[], float] = time.monotonic,
@@ -204,8 +219,11 @@ class ReplayBuffer:
             raise ValueError(
                 f"group_size={group_size} must be in [1, capacity_trajectories={config.capacity_trajectories}]"
             )
+        if max_trajectory_tokens < 1:
+            raise ValueError(f"max_trajectory_tokens={max_trajectory_tokens} must be at least 1")
         self.config = config
         self.group_size = group_size
+        self.max_trajectory_tokens = max_trajectory_tokens
         self._on_evict = on_evict
         self._on_consume = on_consume
         self._clock = clock
@@ -235,7 +253,8 @@ class ReplayBuffer:
     def push(self, blobs: Sequence[bytes]) -> PushResult:
         """Store every one of ``blobs`` that fits, in order; the reply names the ones refused for lack of room (a
         refused one does not stop the ones after it: module docstring). Raises (storing nothing) ``RecordError`` if
-        a blob is not a valid record, ``CapacityError`` if one is longer than ``capacity_tokens``. ``push_refused``
+        a blob is not a valid record, ``CapacityError`` if one is longer than ``max_trajectory_tokens`` or
+        ``capacity_tokens``. ``push_refused``
         in ``stats`` counts trajectories turned away for lack of room (a retried one each time)."""
         self._expire_partial()
         entries = [_peek(b) for b in blobs]
@@ -246,6 +265,12 @@ class ReplayBuffer:
                 raise CapacityError(
                     f"trajectory {k} of the push has {item.tokens} tokens, more than capacity_tokens="
                     f"{self.config.capacity_tokens}: it can never fit"
+                )
+            if item.tokens > self.max_trajectory_tokens:
+                raise CapacityError(
+                    f"trajectory {k} of the push has {item.tokens} tokens, more than the longest a trajectory may "
+                    f"be (max_trajectory_tokens={self.max_trajectory_tokens}, data.max_prompt_length + "
+                    "rollout.max_response_length): the room promised to its group's members cannot hold it"
                 )
         now = self._clock()
         refused: list[int] = []
@@ -265,18 +290,20 @@ class ReplayBuffer:
             return self._size + 1 <= cfg.capacity_trajectories and self._tokens + item.tokens <= cfg.capacity_tokens
         need = self.group_size - (group.rejected if group else 0)
         slots, tokens = self._reserved()
-        # a group that could fill the buffer alone needs it empty of promises, not more than its capacity
-        room = min(need * item.tokens, cfg.capacity_tokens)
+        # the whole group at the longest (item itself included); a group that could fill the buffer alone needs it
+        # empty of promises, not more than its capacity (never with a config's capacities, module docstring)
+        room = min(need * self.max_trajectory_tokens, cfg.capacity_tokens)
         return slots + need <= cfg.capacity_trajectories and tokens + room <= cfg.capacity_tokens
 
-    def _reserved(self) -> tuple[int, float]:
-        """Stored trajectories and tokens plus the room promised to the missing members of pending groups."""
-        slots, tokens = self._size, float(self._tokens)
+    def _reserved(self) -> tuple[int, int]:
+        """Stored trajectories and tokens plus the room promised to the missing members of pending groups: a slot
+        and ``max_trajectory_tokens`` each."""
+        slots, tokens = self._size, self._tokens
         for g in self._pending.values():
             if g.items:
                 missing = self.group_size - g.rejected - len(g.items)
                 slots += missing
-                tokens += missing * g.tokens / len(g.items)
+                tokens += missing * self.max_trajectory_tokens
         return slots, tokens
 
     def _add(self, gid: str, item: _Item, now: float) -> None:
@@ -515,6 +542,7 @@ class ReplayBuffer:
         config: BufferConfig,
         group_size: int,
         *,
+        max_trajectory_tokens: int,
         on_evict: Optional[Callable[[int, str], None]] = None,
         on_consume: Optional[Callable[[str], None]] = None,
         clock: Callable[[], float] = time.monotonic,
@@ -528,7 +556,8 @@ class ReplayBuffer:
                 raise SnapshotError(
                     f"snapshot {path} was taken with group_size={state['group_size']}, this run has {group_size}"
                 )
-            buf = cls(config, group_size, on_evict=on_evict, on_consume=on_consume, clock=clock)
+            buf = cls(config, group_size, max_trajectory_tokens=max_trajectory_tokens, on_evict=on_evict,
+                      on_consume=on_consume, clock=clock)
             now = clock()
             buf.learner_version = int(state["learner_version"])
             buf.counters.update(state["counters"])

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# the longest trajectory the tests' replay buffers are told of (``max_trajectory_tokens``): the default config's
+# data.max_prompt_length + rollout.max_response_length; every missing member of a pending group is promised it
+LONGEST = 1024
 DENSE_DEPS = all(importlib.util.find_spec(m) for m in ("faiss", "sentence_transformers"))  # the [dense] extra
 
 

@@ -32,6 +32,7 @@ from monitoring import metrics as M
 from monitoring.exporter import RunMonitoring, start_exporter, write_sd_file
 from async_agent_rl.search import Hit
 from retriever.server import start_server_in_thread
+from tests.helpers import LONGEST
 from monitoring.prom import (
     DASHBOARD, PromQLError, check_dashboard, prometheus_binary, query, start_prometheus, targets, values, wait_for,
     write_config,
@@ -205,7 +206,7 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
     u = mon.updaters
     workers = {i: WorkerStats() for i in (0, 1)}
     adm = AdmissionState(max_staleness=2, batch_size=4, max_concurrent=64, granule=2)
-    buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=64), 2,
+    buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=64), 2, max_trajectory_tokens=LONGEST,
                        on_evict=lambda n, gid: adm.on_evicted(gid, n), on_consume=adm.on_consumed)
     u["eval"].update({"all": {"n": 20, "exact_match": 0.1, "f1": 0.2, "searches_per_question": 1.0,
                               "turns_per_question": 2.0}}, split="heldout", step=0)

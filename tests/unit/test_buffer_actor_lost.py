@@ -4,14 +4,14 @@ import pytest
 
 from async_agent_rl.config import BufferConfig
 from buffer.actor import BufferActor
-from tests.helpers import ids, traj
+from tests.helpers import LONGEST, ids, traj
 
 pytestmark = pytest.mark.unit
 
 
 def make() -> BufferActor:
     return BufferActor(BufferConfig(max_staleness=0), group_size=2, consumed_per_version=4, max_concurrent=64,
-                       batch_size=4)
+                       batch_size=4, max_trajectory_tokens=LONGEST)
 
 
 def test_actor_lost_frees_slots_and_releases_partial_groups():
@@ -44,7 +44,7 @@ def test_filtered_groups_free_their_admission_slots_and_batches_stay_full():
     """A push that completes a zero-variance group evicts it at once; its members were accepted by that same push,
     so the admission accounting must take them as accepted first and then free their slots for refills."""
     b = BufferActor(BufferConfig(max_staleness=0, group_filter="zero_variance"), group_size=2,
-                    consumed_per_version=4, max_concurrent=64, batch_size=4)
+                    consumed_per_version=4, max_concurrent=64, batch_size=4, max_trajectory_tokens=LONGEST)
     assert b.try_start(2, 0, "dull", "a0") == 2 and b.try_start(2, 0, "good", "a0") == 2
     assert b.try_start(2, 0, "more", "a0") == 0  # capacity (0 + 0 + 1) * 4 reached
     b.push_many([traj("dull", 0, reward=1.0), traj("dull", 1, reward=1.0)])  # filtered on arrival
@@ -63,7 +63,7 @@ def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
     the learner gets 7 trajectories of version 0 (padded to 8 by the learner) and nothing is thrown away; the next
     version admits its two groups."""
     b = BufferActor(BufferConfig(max_staleness=0), group_size=4, consumed_per_version=8, max_concurrent=64,
-                    batch_size=8)
+                    batch_size=8, max_trajectory_tokens=LONGEST)
     assert b.try_start(4, 0, "a", "actor0") == 4 and b.try_start(4, 0, "b", "actor0") == 4
     assert b.try_start(4, 0, "c", "actor0") == 0  # the bound binds: two groups per version at eta 0
     b.push_many([traj("a", i) for i in range(4)] + [traj("b", i) for i in range(3)])
@@ -78,7 +78,7 @@ def test_eta0_goes_on_after_a_rejected_episode_and_keeps_the_bound():
 
 async def test_a_short_batch_is_packed_to_the_learners_rows_with_filler():
     b = BufferActor(BufferConfig(max_staleness=0), group_size=4, consumed_per_version=8, max_concurrent=64,
-                    batch_size=8)
+                    batch_size=8, max_trajectory_tokens=LONGEST)
     b.try_start(4, 0, "a", "actor0"), b.try_start(4, 0, "b", "actor0")
     b.push_many([traj("a", i) for i in range(4)] + [traj("b", i) for i in range(2)])
     b.reject(["b", "b"])

@@ -22,7 +22,7 @@ from async_agent_rl.config import BufferConfig
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.records import Trajectory
 from buffer.actor import BufferActor
-from tests.helpers import traj
+from tests.helpers import LONGEST, traj
 
 pytestmark = pytest.mark.unit
 
@@ -70,7 +70,7 @@ def test_a_full_buffer_never_stalls_a_rollout_actors_pushes():
     behind it: the learner never got a batch (this test timed out). Now Y/0 is held and sent again with X/1, the
     buffer takes X/1, the learner takes X, and Y follows."""
     buffer = BufferActor(BufferConfig(max_staleness=1, capacity_trajectories=2), group_size=2,
-                         consumed_per_version=2, max_concurrent=4, batch_size=2)
+                         consumed_per_version=2, max_concurrent=4, batch_size=2, max_trajectory_tokens=LONGEST)
     actor = RolloutActor.__new__(RolloutActor)  # the shell's push and admission, without an engine
     actor.buffer, actor.actor_id = InProcessHandle(buffer), "actor0"
     actor.cfg = SimpleNamespace(cluster=SimpleNamespace(actor_timeout_s=5.0))

@@ -11,14 +11,14 @@ import pytest
 
 from async_agent_rl.config import BufferConfig
 from buffer.actor import BufferActor
-from tests.helpers import traj
+from tests.helpers import LONGEST, traj
 
 pytestmark = pytest.mark.unit
 
 
 def make(max_staleness: int = 0, **config) -> BufferActor:
     return BufferActor(BufferConfig(max_staleness=max_staleness, **config), group_size=2, consumed_per_version=4,
-                       max_concurrent=64, batch_size=4, pad_id=7)
+                       max_concurrent=64, batch_size=4, max_trajectory_tokens=LONGEST, pad_id=7)
 
 
 def test_none_after_the_timeout_and_a_batch_as_soon_as_it_can_be_made():

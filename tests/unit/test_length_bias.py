@@ -23,6 +23,7 @@ import pytest
 from async_agent_rl.config import BufferConfig
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from buffer.actor import BufferActor
+from tests.helpers import LONGEST
 
 pytestmark = pytest.mark.unit
 
@@ -57,7 +58,8 @@ def simulate(eta: int, seed: int, steps: int = 60) -> tuple[list[int], list[int]
     rng = random.Random(seed)
     group, batch, slots = 4, 16, 32
     buf = BufferActor(BufferConfig(max_staleness=eta, capacity_trajectories=4096), group_size=group,
-                      consumed_per_version=batch, max_concurrent=slots, batch_size=batch)
+                      consumed_per_version=batch, max_concurrent=slots, batch_size=batch,
+                      max_trajectory_tokens=LONGEST)
     now, version, running, learner_free_at, k = 0.0, 0, 0, 0.0, 0
     events: list[tuple[float, int, str, int, int, int]] = []  # (time, seq, group id, member, version, tokens)
     generated: list[int] = []

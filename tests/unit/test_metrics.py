@@ -33,6 +33,7 @@ from monitoring import build_dashboard, metrics as M
 from monitoring.exporter import prometheus_config, sd_groups, write_sd_file
 from monitoring.prom import DASHBOARD, dashboard_queries, expand_grafana_vars
 from retriever import server as retriever_server
+from tests.helpers import LONGEST
 
 pytestmark = pytest.mark.unit
 
@@ -123,7 +124,7 @@ def real_run(tok) -> tuple[RolloutStats, BufferStats]:
     examples = [QAExample(id=f"q{i}", question=f"question {i} ?", gold_answers=["x"], data_source="world_single")
                 for i in range(8)]
     buffer = BufferActor(BufferConfig(max_staleness=2, capacity_trajectories=64), group_size=2,
-                         consumed_per_version=4, max_concurrent=8, batch_size=4)
+                         consumed_per_version=4, max_concurrent=8, batch_size=4, max_trajectory_tokens=LONGEST)
 
     async def go() -> RolloutStats:
         async with SearchClient("http://127.0.0.1:9", SearchClientConfig(timeout_s=1, retries=0, deadline_s=1)) as sc:
@@ -259,7 +260,7 @@ def buffer_stats() -> tuple[BufferStats, ReplayBuffer, AdmissionState]:
     """A real ReplayBuffer: 3 groups of 2 at versions 0, 0, 1; one consumed at learner version 1 (staleness 1),
     then the other version-0 group evicted stale at learner version 4 (eta = 2)."""
     adm = AdmissionState(max_staleness=2, batch_size=2, max_concurrent=8, granule=2)
-    buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=16), 2,
+    buf = ReplayBuffer(BufferConfig(max_staleness=2, capacity_trajectories=16), 2, max_trajectory_tokens=LONGEST,
                        on_evict=lambda n, gid: adm.on_evicted(gid, n), on_consume=adm.on_consumed)
     for g in "abc":
         adm.try_start(2, 0, g)

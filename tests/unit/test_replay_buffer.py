@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from async_agent_rl.config import BufferConfig
 from async_agent_rl.records import RecordError, EpisodeMeta, Trajectory, TurnSpan
-from tests.helpers import Clock, ids, traj
+from tests.helpers import LONGEST, Clock, ids, traj
 from buffer.replay_buffer import (
     EVICT_PARTIAL_TIMEOUT,
     EVICT_STALE,
@@ -23,8 +23,8 @@ from buffer.replay_buffer import (
 pytestmark = pytest.mark.unit
 
 
-def make(group_size=2, clock=None, **cfg) -> ReplayBuffer:
-    return ReplayBuffer(BufferConfig(**cfg), group_size, clock=clock or Clock())
+def make(group_size=2, clock=None, longest=LONGEST, **cfg) -> ReplayBuffer:
+    return ReplayBuffer(BufferConfig(**cfg), group_size, max_trajectory_tokens=longest, clock=clock or Clock())
 
 
 def test_group_released_only_when_complete_and_comes_out_whole():
@@ -171,7 +171,7 @@ def test_partial_group_drop_after_timeout_is_an_eviction():
     clock = Clock()
     evicted = []
     buf = ReplayBuffer(
-        BufferConfig(partial_groups="drop", partial_group_timeout_s=10), 3, clock=clock,
+        BufferConfig(partial_groups="drop", partial_group_timeout_s=10), 3, max_trajectory_tokens=LONGEST, clock=clock,
         on_evict=lambda n, gid: evicted.append(n)
     )
     buf.push([traj("a", 0), traj("a", 1)])
@@ -192,7 +192,7 @@ def test_backpressure_on_trajectory_capacity_takes_what_fits():
 
 
 def test_backpressure_on_token_capacity():
-    buf = make(group_size=1, capacity_tokens=25)
+    buf = make(group_size=1, capacity_tokens=25, longest=10)
     res = buf.push([traj("a", tokens=10), traj("b", tokens=10), traj("c", tokens=10)])
     assert (res.accepted, res.full) == (2, True)
     assert buf.stats().tokens == 20
@@ -225,12 +225,18 @@ def test_a_refused_trajectory_never_holds_back_the_ones_after_it():
     assert buf.push([traj("b", 0), traj("b", 1)]).accepted == 2
 
 
-def test_token_promises_follow_the_mean_member_length():
-    buf = make(group_size=2, capacity_tokens=40)
-    assert buf.push([traj("a", 0, tokens=10)]).accepted == 1  # promises 10 more tokens to "a"
-    assert buf.push([traj("b", 0, tokens=11)]).full  # 20 + 2 * 11 > 40
-    assert buf.push([traj("b", 0, tokens=10)]).accepted == 1  # 20 + 2 * 10 = 40
-    assert buf.push([traj("a", 1, tokens=10), traj("b", 1, tokens=10)]).accepted == 2
+def test_token_promises_are_the_longest_trajectory_whatever_the_first_members_length():
+    """A missing member is promised ``max_trajectory_tokens`` (10 here), never its group's mean so far: short
+    first members must not let in groups whose long members then find no room."""
+    buf = make(group_size=2, capacity_tokens=40, longest=10)
+    assert buf.push([traj("a", 0, tokens=3)]).accepted == 1  # reserved: 3 + 10 for "a/1"
+    assert buf.push([traj("b", 0, tokens=3)]).accepted == 1  # 13 + 2 x 10 = 33 <= 40
+    assert buf.push([traj("c", 0, tokens=3)]).full  # 26 + 2 x 10 > 40 (a mean promise took it: 26 + 2 x 3)
+    assert buf.push([traj("a", 1, tokens=10), traj("b", 1, tokens=10)]).accepted == 2  # the promises hold
+    assert buf.stats().ready_groups == 2
+    with pytest.raises(CapacityError, match="max_trajectory_tokens=10"):
+        buf.push([traj("c", 0, tokens=11)])  # longer than promised: refused loudly, nothing stored
+    assert len(buf) == 4
 
 
 def test_invalid_records_are_refused_whole():
@@ -268,7 +274,7 @@ def test_snapshot_round_trip(tmp_path):
     clock = Clock()
     buf = filled(clock)
     path = buf.snapshot(tmp_path / "buf.snap", extra={"note": "hi"})
-    back, extra = ReplayBuffer.restore(path, buf.config, 2, clock=clock)
+    back, extra = ReplayBuffer.restore(path, buf.config, 2, max_trajectory_tokens=LONGEST, clock=clock)
     assert extra == {"note": "hi"}
     assert back.stats() == buf.stats()
     # pending groups and rejections survive: "b" completes, "d" is short by one and completes with one member
@@ -282,7 +288,7 @@ def test_snapshot_round_trip(tmp_path):
 def test_snapshot_refuses_a_different_group_size(tmp_path):
     path = filled(Clock()).snapshot(tmp_path / "buf.snap")
     with pytest.raises(SnapshotError, match="group_size=2, this run has 3"):
-        ReplayBuffer.restore(path, BufferConfig(), 3)
+        ReplayBuffer.restore(path, BufferConfig(), 3, max_trajectory_tokens=LONGEST)
 
 
 @pytest.mark.parametrize(
@@ -299,19 +305,19 @@ def test_corrupt_snapshot_is_refused_naming_the_file(tmp_path, damage, message):
     path = filled(Clock()).snapshot(tmp_path / "buf.snap")
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(SnapshotError, match=message) as err:
-        ReplayBuffer.restore(path, BufferConfig(), 2)
+        ReplayBuffer.restore(path, BufferConfig(), 2, max_trajectory_tokens=LONGEST)
     assert str(path) in str(err.value)
 
 
 def test_missing_snapshot_names_the_file(tmp_path):
     with pytest.raises(SnapshotError, match="nowhere.snap"):
-        ReplayBuffer.restore(tmp_path / "nowhere.snap", BufferConfig(), 2)
+        ReplayBuffer.restore(tmp_path / "nowhere.snap", BufferConfig(), 2, max_trajectory_tokens=LONGEST)
 
 
 # ---------------------------------------------------------------------------------------------- random traffic
 def test_zero_variance_groups_are_dropped_counted_and_the_batch_stays_full():
     evicted: list[int] = []
-    buf = ReplayBuffer(BufferConfig(group_filter="zero_variance"), 2, clock=Clock(),
+    buf = ReplayBuffer(BufferConfig(group_filter="zero_variance"), 2, max_trajectory_tokens=LONGEST, clock=Clock(),
                        on_evict=lambda n, gid: evicted.append(n))
     buf.push([traj("right", 0, reward=1.0, em=1.0), traj("right", 1, reward=1.0, em=1.0)])
     buf.push([traj("wrong", 0, reward=0.0, em=0.0), traj("wrong", 1, reward=0.0, em=0.0)])
@@ -374,7 +380,8 @@ def test_random_traffic_keeps_groups_whole_memory_bounded_and_nothing_lost(group
         partial_group_timeout_s=10,
     )
     evictions: list[int] = []
-    buf = ReplayBuffer(cfg, group_size, clock=clock, on_evict=lambda n, gid: evictions.append(n))
+    buf = ReplayBuffer(cfg, group_size, max_trajectory_tokens=6, clock=clock,
+                       on_evict=lambda n, gid: evictions.append(n))
     # group ids are reused for a new prompt once every member of the previous one was pushed or rejected
     generation = {g: 0 for g in range(8)}
     arrived = {g: 0 for g in range(8)}

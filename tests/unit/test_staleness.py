@@ -33,6 +33,7 @@ from async_agent_rl.staleness import (
 )
 from buffer.actor import BufferActor
 from buffer.replay_buffer import EVICT_STALE
+from tests.helpers import LONGEST
 
 pytestmark = pytest.mark.unit
 
@@ -137,7 +138,7 @@ class Model:
         cfg = BufferConfig(max_staleness=eta, group_filter="zero_variance" if filt else "none",
                            **({} if capacity is None else {"capacity_trajectories": capacity}))
         self.buf = BufferActor(cfg, group_size=group, consumed_per_version=self.B, max_concurrent=max_concurrent,
-                               batch_size=self.B)
+                               batch_size=self.B, max_trajectory_tokens=LONGEST)
         self.rng = random.Random(seed)
         self.learner_version = 0
         self.engine = {"a0": 0, "a1": 0}  # actor -> weight version of its engine
@@ -326,4 +327,4 @@ def test_a_batch_that_is_not_whole_groups_is_refused_up_front(group, batch):
     buffer is built (before any episode runs), naming both numbers."""
     with pytest.raises(ValueError, match=rf"\({batch}\).*multiple of the group size \({group}\)"):
         BufferActor(BufferConfig(max_staleness=0), group_size=group, consumed_per_version=batch, max_concurrent=64,
-                    batch_size=batch)
+                    batch_size=batch, max_trajectory_tokens=LONGEST)

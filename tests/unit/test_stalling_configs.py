@@ -6,6 +6,7 @@ so when it starts. The shipped configs still load (tests/unit/test_config.py loa
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -82,7 +83,7 @@ def test_the_token_rule_is_the_buffers_own():
 
     def fill(capacity_tokens: int, tokens: int) -> tuple[int, list | None]:
         buffer = ReplayBuffer(config.buffer.model_copy(update={"capacity_tokens": capacity_tokens}), group,
-                              clock=Clock())
+                              max_trajectory_tokens=longest, clock=Clock())
         stored = 0
         for g in range(batch // group):
             for m in range(group):
@@ -97,30 +98,39 @@ def test_the_token_rule_is_the_buffers_own():
     assert stored == group and sampled is None
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a pending group's token promise is its arrived members' mean "
-                   "length, so short first members let more groups in than the token capacity can complete; with "
-                   "capacity_tokens at the least a config allows no batch may ever form (see the docstring)")
 def test_token_promises_never_let_groups_in_that_cannot_all_complete():
-    """The token twin of ``test_staleness.py::test_a_full_buffer_never_stalls_an_actors_pushes``, found while fixing
-    it; not fixed. Defaults (groups of 5, batch 40: 8 groups, the longest trajectory 1024 tokens, eta 2) with
-    ``capacity_tokens`` at the least allowed, 40 x 1024: admission lets 24 groups run. Every group's first member is
-    short (3 tokens), so each new group is promised 4 x 3 more tokens and all 24 are taken; their longest members
-    (1024 tokens) then fill the buffer before any group completes, and every push is refused for ever, in any order.
-    A fix: promise each missing member the longest trajectory (``Config.max_trajectory_tokens``), not the mean."""
+    """The token twin of ``test_staleness.py::test_a_full_buffer_never_stalls_an_actors_pushes``. Defaults (groups of
+    5, batch 40: 8 groups, the longest trajectory 1024 tokens, eta 2) with ``capacity_tokens`` at the least allowed,
+    40 x 1024: admission lets 24 groups run. Every group's first member is short (3 tokens) and finishes first.
+    When a pending group was promised its arrived members' mean length (4 x 3 more tokens), all 24 were taken, their
+    longest members (1024 tokens) filled the buffer before any group completed and every push was refused for ever,
+    in any order. Each missing member is now promised the longest trajectory (``Config.max_trajectory_tokens``): 8
+    groups are let in, they complete, a batch forms, and all 24 groups are trained on, in this order and in shuffled
+    ones."""
     from buffer.actor import BufferActor
 
     config = load_config(None, ["buffer.capacity_tokens=40960"])
     group, batch, longest = config.rollout.group_size, config.learner.batch_size, config.max_trajectory_tokens
     groups = (config.buffer.max_staleness + 1) * batch // group
     assert (group, batch, longest, groups) == (5, 40, 1024, 24)
-    buffer = BufferActor(config.buffer, group_size=group, consumed_per_version=batch, max_concurrent=group * groups,
-                         batch_size=batch)
-    assert all(buffer.try_start(group, 0, f"g{g}", "a0") == group for g in range(groups))
-    outbox = [traj(f"g{g}", 0, tokens=3) for g in range(groups)]  # the short members finish first
-    outbox += [traj(f"g{g}", m, tokens=longest) for m in range(1, group) for g in range(groups)]
-    for _ in range(3):  # everything refused is sent again, whatever its order
-        outbox = buffer.push_many(outbox).rest(outbox)
-    assert buffer.sample(batch, 0) is not None, f"{len(outbox)} refused for ever; {buffer.stats().ready_groups} ready"
+    for seed in (None, 0, 1, 2):
+        buffer = BufferActor(config.buffer, group_size=group, consumed_per_version=batch,
+                             max_concurrent=group * groups, batch_size=batch, max_trajectory_tokens=longest)
+        assert all(buffer.try_start(group, 0, f"g{g}", "a0") == group for g in range(groups))
+        outbox = [traj(f"g{g}", 0, tokens=3) for g in range(groups)]  # the short members finish first
+        outbox += [traj(f"g{g}", m, tokens=longest) for m in range(1, group) for g in range(groups)]
+        if seed is not None:
+            random.Random(seed).shuffle(outbox)
+        version = 0
+        for _ in range(3 * groups):  # everything refused is sent again, in front of nothing new
+            outbox = buffer.push_many(outbox).rest(outbox)
+            version += buffer.sample(batch, version) is not None
+            if version == groups * group // batch:
+                break
+        stats = buffer.stats()
+        assert version == 3 and not outbox, (f"order {seed}: {len(outbox)} refused for ever, "
+                                             f"{stats.ready_groups} ready, {stats.pending_groups} pending")
+        assert stats.sampled == groups * group and stats.tokens <= config.buffer.capacity_tokens
 
 
 @pytest.mark.parametrize("text, key, line, first", [
