@@ -16,7 +16,9 @@ Protocol for a rollout actor (every call carries a batch; an actor round trip co
 
 A push of an episode its group no longer expects (``actor_lost``: its actor was declared dead, perhaps while its
 last push was still on the way; or the group was already consumed or dropped) is dropped and counted in
-``stats().late_pushes``: it was rejected once. A rejection of one is ignored and counted in ``late_rejects``.
+``stats().late_pushes``: it was rejected once. A rejection of one is ignored and counted in ``late_rejects``. So
+is a member of a group released partial (``buffer.partial_groups=release``) but not yet consumed: the buffer drops
+it (``PushResult.late``) and it counts as thrown away for admission, never as a second group with the same id.
 
 The learner's batches: ``sample_batch(version, timeout_s)`` returns a packed ``TrainBatch`` of ``batch_size``
 trajectories (padded with ``pad_id``; both fixed when the actor is created) as soon as the buffer can make one up at
@@ -129,7 +131,8 @@ class BufferActor:
             return self._push(blobs)
         result = self._push([blobs[i] for i in kept])
         self._late_pushes += len(blobs) - len(kept)  # never refused, so never resent: each counts once
-        return PushResult(len(blobs), tuple(kept[i] for i in result.refused))
+        dropped = sorted((set(range(len(blobs))) - set(kept)) | {kept[i] for i in result.late})
+        return PushResult(len(blobs), tuple(kept[i] for i in result.refused), tuple(dropped))
 
     def _push(self, blobs: Sequence[bytes]) -> PushResult:
         if not blobs:
@@ -139,8 +142,13 @@ class BufferActor:
             result = self.buffer.push(blobs)
         finally:
             deferred, self._deferred = self._deferred, None
-        for blob in result.taken(blobs):
-            self.admission.on_finished(peek_group_id(blob), 1, accepted=True)
+        late = set(result.late)  # their group was released before they came (partial_groups=release): thrown away
+        for i, blob in enumerate(blobs):
+            if i in late:
+                self.admission.on_finished(peek_group_id(blob), 1, accepted=False)
+            elif i not in result.refused:
+                self.admission.on_finished(peek_group_id(blob), 1, accepted=True)
+        self._late_pushes += len(late)
         for n, gid in deferred:
             self._on_evict(n, gid)
         if result.accepted:

@@ -7,7 +7,12 @@ Groups. A group is *ready* when all ``group_size`` members arrived, or fewer whe
 (``reject``); such a short group is released with what came, counted in ``groups_released_short``. A group still
 incomplete ``partial_group_timeout_s`` after its first member arrived follows ``BufferConfig.partial_groups``:
 ``wait`` keeps waiting (counted once in ``groups_overdue``, with a log line), ``release`` makes it ready as it is
-(``groups_released_partial``), ``drop`` evicts its members (reason ``partial_group_timeout``).
+(``groups_released_partial``), ``drop`` evicts its members (reason ``partial_group_timeout``). A member of a group
+already released (ready, not yet consumed), or dropped by the timeout check of the same push, is too late to join
+it: ``push`` takes it and drops it (``PushResult.late``, counted in ``stats().late_pushes``, never stored nor counted
+``pushed``), and a rejection for a released group is a no-op. Never a second group with the same id: one was made
+before, a unit admission had closed when the first was consumed (so ``AdmissionError`` when it was), a slot held
+until its own timeout.
 
 Group filtering (``group_filter="zero_variance"``; rLLM's rejection sampling, DAPO's dynamic sampling). A group whose
 members' rewards are all equal (within ``zero_variance_tol``) has zero GRPO advantage everywhere: it costs a learner
@@ -107,10 +112,12 @@ class SnapshotError(InputError):
 class PushResult:
     """Reply to a push of ``pushed`` trajectories: every one was taken but those at the indices ``refused``
     (ascending), for which the buffer had no room. Push them again later (the learner frees room by sampling), with
-    whatever finished since: a refused trajectory never holds back the ones after it."""
+    whatever finished since: a refused trajectory never holds back the ones after it. Of the taken ones, those at
+    ``late`` were dropped: their group no longer expected them (module docstring, "Groups")."""
 
     pushed: int
     refused: tuple[int, ...] = ()
+    late: tuple[int, ...] = ()  # taken and dropped: their group was released (or is gone), too late to join it
 
     @property
     def accepted(self) -> int:
@@ -229,6 +236,7 @@ class ReplayBuffer:
         self._clock = clock
         self._pending: dict[str, _Group] = {}  # by group id, in order of first arrival
         self._ready: dict[int, _Group] = {}  # by release sequence number
+        self._released: dict[str, int] = {}  # group id -> release sequence number, while ready (not consumed)
         self._order: list[tuple[float, int, int]] = []  # heap of (-priority or 0, version, seq); skips gone groups
         self._by_version: list[tuple[int, int]] = []  # heap of (group min version, seq) for stale eviction
         self._seq = 0
@@ -256,7 +264,7 @@ class ReplayBuffer:
         a blob is not a valid record, ``CapacityError`` if one is longer than ``max_trajectory_tokens`` or
         ``capacity_tokens``. ``push_refused``
         in ``stats`` counts trajectories turned away for lack of room (a retried one each time)."""
-        self._expire_partial()
+        gone = self._expire_partial()  # dropped now: their members in this push come too late as well
         entries = [_peek(b) for b in blobs]
         for k, (gid, item) in enumerate(entries):
             if not gid and self.group_size > 1:
@@ -274,14 +282,21 @@ class ReplayBuffer:
                 )
         now = self._clock()
         refused: list[int] = []
+        late: list[int] = []
         for k, (gid, item) in enumerate(entries):
+            if gid in self._released or gid in gone:  # released partial (a batch unit as it is), or dropped
+                late.append(k)
+                continue
             if not self._fits(gid, item):
                 refused.append(k)
                 continue
             item.pushed_at = now
             self._add(gid, item, now)
         self.counters["push_refused"] += len(refused)
-        return PushResult(pushed=len(entries), refused=tuple(refused))
+        self.counters["late_pushes"] += len(late)
+        if late:
+            logger.info("replay buffer: dropped %d trajectories of groups already released", len(late))
+        return PushResult(pushed=len(entries), refused=tuple(refused), late=tuple(late))
 
     def _fits(self, gid: str, item: _Item) -> bool:
         cfg = self.config
@@ -321,9 +336,13 @@ class ReplayBuffer:
         self._maybe_complete(group)
 
     def reject(self, group_ids: Sequence[str]) -> None:
-        """One member of each listed group was thrown away by its producer: do not wait for it."""
+        """One member of each listed group was thrown away by its producer: do not wait for it (a group already
+        released waits for nothing)."""
         now = self._clock()
         for gid in group_ids:
+            if gid in self._released:
+                self.counters["rejected"] += 1
+                continue
             group = self._pending.get(gid)
             if group is None:
                 group = self._pending[gid] = _Group(gid, first_at=now)
@@ -378,6 +397,7 @@ class ReplayBuffer:
         seq = self._seq
         self._seq += 1
         self._ready[seq] = group
+        self._released[group.gid] = seq
         priority = -group.priority if self.config.sampling == "priority" else 0.0
         heapq.heappush(self._order, (priority, group.min_version, seq))
         if group.min_version != OBS_VERSION:
@@ -429,8 +449,10 @@ class ReplayBuffer:
                     f"at learner version {learner_version}",
                 )
 
-    def _expire_partial(self) -> None:
+    def _expire_partial(self) -> set[str]:
+        """Apply ``partial_groups`` to the groups past their timeout; returns the ids of those dropped."""
         now, cfg = self._clock(), self.config
+        gone: set[str] = set()
         for group in list(self._pending.values()):
             if now - group.first_at < cfg.partial_group_timeout_s:
                 continue
@@ -439,10 +461,13 @@ class ReplayBuffer:
             elif cfg.partial_groups == "release":
                 del self._pending[group.gid]
                 self.counters["groups_released_partial"] += 1
-                if not self._filtered(group):
+                if self._filtered(group):
+                    gone.add(group.gid)
+                else:
                     self._release(group)
             elif cfg.partial_groups == "drop":
                 del self._pending[group.gid]
+                gone.add(group.gid)
                 self._evict(group, EVICT_PARTIAL_TIMEOUT, f"{len(group.items)}/{self.group_size} members arrived")
             elif not group.overdue:
                 group.overdue = True
@@ -451,6 +476,7 @@ class ReplayBuffer:
                     "replay buffer: group %r has %d/%d members after %.0f s; waiting (partial_groups=wait)",
                     group.gid, len(group.items), self.group_size, now - group.first_at,
                 )
+        return gone
 
     def partial_timeout_in(self) -> Optional[float]:
         """Seconds until the next pending group reaches ``partial_group_timeout_s`` (when it may be released or
@@ -471,6 +497,7 @@ class ReplayBuffer:
             self._on_evict(n, group.gid)
 
     def _forget(self, group: _Group) -> None:
+        self._released.pop(group.gid, None)
         self._size -= len(group.items)
         self._tokens -= group.tokens
         self._bytes -= sum(len(it.blob) for it in group.items)
@@ -494,6 +521,7 @@ class ReplayBuffer:
             capacity_trajectories=self.config.capacity_trajectories,
             capacity_tokens=self.config.capacity_tokens,
             **{name: c[name] for name in COUNTERS},
+            late_pushes=c["late_pushes"],
             evicted=dict(self.evicted),
             filtered_groups=dict(self.filtered_groups),
             staleness_histogram=dict(sorted(self.staleness_histogram.items())),

@@ -99,3 +99,32 @@ def test_a_late_push_of_a_lost_episode_is_dropped_and_never_hurts_another_actor(
     s = b.stats()
     assert s.late_pushes == 2 and s.pushed == 2 and s.admission.running == 0
     assert ids(b.sample(2, 0)) == ["a1-g/0", "a1-g/1"]
+
+
+def test_a_member_arriving_after_its_group_was_released_partial_is_late_not_a_second_group():
+    """``partial_groups=release``: "g1" times out with one member of two and is released; its straggler arrives
+    before a batch takes the group. It is dropped and counted late (its group is already a batch's unit), never a
+    second group "g1": that one was consumed after the first had closed the group's admission (AdmissionError), or
+    waited for the timeout, its slot running."""
+    b = BufferActor(BufferConfig(max_staleness=1, partial_groups="release", partial_group_timeout_s=10), group_size=2,
+                    consumed_per_version=4, max_concurrent=64, batch_size=4, max_trajectory_tokens=LONGEST)
+    clock = [0.0]
+    b.buffer._clock = lambda: clock[0]  # the test's time, as ReplayBuffer(clock=) takes it
+    assert all(b.try_start(2, 0, g, "a0") == 2 for g in ("g1", "g2", "g3"))
+    b.push_many([traj("g1", 0)])
+    clock[0] = 11.0
+    b.push_many([traj("g2", 0), traj("g2", 1)])  # "g1" is released partial on the way
+    assert b.stats().groups_released_partial == 1 and b.stats().ready_groups == 2
+    late = b.push_many([traj("g1", 1)])  # the straggler, before a batch takes "g1"
+    assert late.accepted == 1 and not late.full
+    s = b.stats()
+    assert (s.pending_groups, s.ready_groups, s.late_pushes, s.pushed) == (0, 2, 1, 3)
+    assert s.admission.running == 2 and s.admission.rejected == 1  # g3's two; g1/1 thrown away
+    assert ids(b.sample(4, 0)) == ["g1/0", "g2/0", "g2/1"]
+    b.push_many([traj("g3", 0), traj("g3", 1)])
+    clock[0] = 30.0  # past a second "g1"'s timeout: it would be released now, and its consumption raise
+    assert ids(b.sample(2, 1)) == ["g3/0", "g3/1"] and b.sample(2, 1) is None
+    s = b.stats()
+    assert (s.size, s.pending_groups, s.ready_groups, s.sampled) == (0, 0, 0, 5)
+    assert s.pushed == s.sampled + s.evicted_total + s.size
+    assert s.admission.running == 0 and s.admission.groups_open == 0 and s.admission.groups_consumed == 3

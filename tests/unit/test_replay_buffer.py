@@ -167,6 +167,25 @@ def test_partial_group_release_after_timeout():
     assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1"]  # released: a group's place in a batch, with 2 rows
 
 
+def test_a_member_of_a_released_or_just_dropped_group_is_late_never_a_second_group():
+    """A straggler of a group released partial and not yet consumed, or of one the same push's timeout check drops,
+    is taken and dropped (``PushResult.late``), not stored as a new group with the same id."""
+    for policy in ("release", "drop"):
+        clock = Clock()
+        buf = make(group_size=3, clock=clock, partial_groups=policy, partial_group_timeout_s=10)
+        buf.push([traj("a", 0), traj("a", 1)])
+        clock.now += 11
+        res = buf.push([traj("a", 2), traj("b", 0)])  # the timeout check runs first: "a" is released or dropped
+        buf.reject(["a"])  # a group already released waits for nothing: no empty group "a" either
+        s = buf.stats()
+        assert (s.pending_groups, s.late_pushes, s.pushed, s.size) == (1, 1, 3, 3 if policy == "release" else 1)
+        assert s.pushed == s.sampled + s.evicted_total + s.size
+        assert (res.accepted, res.refused, res.late) == (2, (), (0,)), policy
+        if policy == "release":
+            assert buf.push([traj("a", 2)]).late == (0,)  # later still, while "a" waits for a batch
+            assert ids(buf.sample_wire(3, 0)) == ["a/0", "a/1"] and buf.stats().late_pushes == 2
+
+
 def test_partial_group_drop_after_timeout_is_an_eviction():
     clock = Clock()
     evicted = []
