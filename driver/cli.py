@@ -370,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     rc = 2
+    train = sys.modules.get("driver.train")
+    if train is not None:  # a stuck shutdown of an earlier call in this process (tests call main in process) is not ours
+        train.ray_shutdown_stuck = False
     try:
         rc = _run(args)
     finally:

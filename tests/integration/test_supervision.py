@@ -68,6 +68,8 @@ def supervised(cfg, tmp_path: Path, actor_cls: type, max_restarts: int = 1, quie
     """A fleet with a real buffer actor, one stand-in rollout actor (restartable ``max_restarts`` times by Ray,
     ``actor_cls(0, marker)``) and an object-store publisher that is told of restarts."""
     buffer = create_buffer_actor(cfg, pad_id=0)
+    # started before the test's short limits apply: on a loaded machine a new actor's process takes seconds to start
+    ray.get(buffer.stats.remote(), timeout=120)
     remote_cls = ray.remote(num_cpus=0, max_restarts=max_restarts)(actor_cls)
     actors = [remote_cls.remote(0, str(tmp_path / "incarnated"))]
     publisher = create_publisher("object_store", actors,  # a restarted actor is reported to it

@@ -239,3 +239,18 @@ def test_eval_on_a_truncated_checkpoint_names_the_file_before_an_engine_starts(t
     (weights.parent / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     assert_one_error_line(*run_cli(argv, capsys), "model-00002-of-00002.safetensors: missing")
+
+
+def test_a_stuck_ray_shutdown_of_an_earlier_call_does_not_end_a_later_command(monkeypatch, capsys):
+    """``main`` ends the process at once (``os._exit``) when the run it just made could not shut Ray down. The flag
+    is a module global: a stuck shutdown in an earlier in-process call (an integration test's run) made every later
+    ``main`` call end the whole test process with no report, seen as the fast tier stopping in the middle."""
+    import driver.cli as cli
+    import driver.train as train
+
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", lambda rc: exits.append(rc))
+    monkeypatch.setattr(train, "ray_shutdown_stuck", True)
+    assert cli.main(["config", "show", "--config", "configs/quickstart.yaml"]) == 0
+    assert exits == [], "the earlier call's stuck shutdown ended this command"
+    capsys.readouterr()
