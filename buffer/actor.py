@@ -44,7 +44,7 @@ import ray
 from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import BufferConfig, Config
 from async_agent_rl.records import Trajectory
-from async_agent_rl.staleness import AdmissionError, AdmissionState
+from async_agent_rl.staleness import AdmissionState
 from async_agent_rl.stats import BufferStats, new_incarnation
 from buffer.replay_buffer import PushResult, ReplayBuffer, SnapshotError, peek_group_id
 

@@ -100,7 +100,7 @@ def test_a_run_whose_learner_gets_no_batch_ends_in_one_error_line_with_a_checkpo
     errors = [x for x in run.err if x.startswith("error:")]
     assert len(errors) == 1, run.text()
     line = errors[0]
-    assert line.startswith(f"error: no learner step completed for ") and f"(step 2; limit {limit} s, " \
+    assert line.startswith("error: no learner step completed for ") and f"(step 2; limit {limit} s, " \
         "cluster.progress_timeout_s)" in line, line
     for part in ("blocked: ", "learner: waiting for a batch (idle)", "buffer: ", " ready groups, ", "admission: ",
                  " groups open, oldest open version ", "actor0: running, ", " pushed, last push ",
