@@ -211,7 +211,9 @@ def cmd_learning(args: argparse.Namespace) -> int:
     for rl in rl_runs:
         if rl.error:
             continue
-        label = rl.arm.label
+        # a world arm's row keeps its seed (a number, as before); the other arms are named by their label
+        name = rl.arm.name.removesuffix("-rl")
+        label: int | str = int(name[4:]) if name.startswith("seed") and name[4:].isdigit() else rl.arm.label
         if args.rl_only:
             rows.append(seed_row(label, rl, None))
             continue

@@ -90,7 +90,7 @@ def plot_learning(rows: Sequence[dict[str, Any]], path: Path) -> Path | None:
                 continue
             color = f"C{i % 10}"
             pts = [(c["step"], c[kind]) for c in r["curve"] if kind in c]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"seed {r['seed']} RL")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"{r['seed'] if isinstance(r['seed'], str) else 'seed ' + str(r['seed'])} RL")
             ax.plot(pts[0][0], r["kinds"][kind]["em_start"], "s", color=color, markersize=9)
             ax.plot(pts[-1][0], r["kinds"][kind]["em_sft"], "*", color=color, markersize=14)
         ax.set_title(f"held-out EM (greedy): {title}")
