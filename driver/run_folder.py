@@ -55,7 +55,7 @@ def hold(run_dir: Path) -> Iterator[None]:
 def set_aside_earlier_run(run_dir: Path) -> str | None:
     """Move an earlier run's results out of ``run_dir`` (see the module docstring); the line to say, or None when
     there was none."""
-    if not any((run_dir / name).exists() for name in RESULTS):
+    if not any(_holds_something(run_dir / name) for name in RESULTS):
         return None
     finished = (run_dir / "summary.json").is_file()
     aside = run_dir.with_name(run_dir.name + ".previous")
@@ -65,11 +65,24 @@ def set_aside_earlier_run(run_dir: Path) -> str | None:
         shutil.rmtree(aside)
     aside.mkdir(parents=True)
     for entry in run_dir.iterdir():
-        if entry.name not in KEPT:
+        if entry.name in KEPT or not _holds_something(entry):
+            continue  # an empty folder made ahead of the run (a checkpoints folder on another disk) stays
+        if os.path.ismount(entry):  # a file system mounted there cannot be renamed: its contents move
+            (aside / entry.name).mkdir()
+            for child in entry.iterdir():
+                shutil.move(str(child), str(aside / entry.name / child.name))
+        else:
             entry.rename(aside / entry.name)
     what = "a finished run" if finished else "an unfinished run (no summary.json)"
     return (f"{run_dir} held {what}: its results moved to {aside} (replacing what was there); this run starts "
             "afresh" + (", reusing the warm start in sft/" if (run_dir / "sft").is_dir() else ""))
+
+
+def _holds_something(path: Path) -> bool:
+    """A file, or a folder with anything in it (an empty folder is no earlier run's result)."""
+    if path.is_dir() and not path.is_symlink():
+        return any(path.iterdir())
+    return path.exists() or path.is_symlink()
 
 
 def read_metrics_lines(path: Path) -> list[str]:

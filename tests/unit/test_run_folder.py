@@ -51,6 +51,19 @@ def test_an_earlier_runs_results_are_moved_aside_and_its_warm_start_stays(tmp_pa
     assert sorted(p.name for p in (tmp_path / "quickstart.previous").iterdir()) == ["eval.jsonl"], "replaced"
 
 
+def test_an_empty_folder_made_ahead_of_the_run_is_no_earlier_run_and_stays_in_place(tmp_path):
+    """A checkpoints folder made before the run (a mount of another disk; the fault suite mounts a small tmpfs
+    there) is not an earlier run's result: moving it aside failed ("Device or resource busy") and ended the run."""
+    run = tmp_path / "quickstart"
+    (run / "checkpoints").mkdir(parents=True)
+    assert set_aside_earlier_run(run) is None
+    assert (run / "checkpoints").is_dir() and not (tmp_path / "quickstart.previous").exists()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert "held an unfinished run" in set_aside_earlier_run(run)
+    assert (run / "checkpoints").is_dir(), "the empty folder stays where the user put it"
+    assert sorted(p.name for p in (tmp_path / "quickstart.previous").iterdir()) == ["metrics.jsonl"]
+
+
 def test_a_metrics_file_that_is_not_utf8_is_one_error_naming_the_file_and_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1}\n{"step": \xff2}\n')
