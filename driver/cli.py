@@ -220,6 +220,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace, cfg: Config) -> str:
+    """The model folder ``--checkpoint`` (else ``model.path``) names, checked: a local folder with a config and whole
+    weights (never a Hugging Face Hub repo id)."""
+    model = args.checkpoint or cfg.model.path
+    what = "--checkpoint" if args.checkpoint else "model.path"
+    if not (Path(model) / "config.json").is_file():
+        raise InputError(f"{what} {model}: no model folder there (no config.json)")
+    _check_weights(model, what)
+    return model
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -229,11 +240,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not _at_least_one(args.limit, "--limit"):
         return 2
     cfg = _config(args)
-    model = args.checkpoint or cfg.model.path
-    what = "--checkpoint" if args.checkpoint else "model.path"
-    if not (Path(model) / "config.json").is_file():  # never a Hugging Face Hub repo id: only local folders
-        raise InputError(f"{what} {model}: no model folder there (no config.json)")
-    _check_weights(model, what)
+    model = _checkpoint(args, cfg)
     examples, _ = read_qa_files([args.data] if args.data else cfg.data.test_files, cfg.data.on_bad_row)
     examples = examples[: args.limit] if args.limit else examples
 
@@ -262,11 +269,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if not _at_least_one(args.limit, "--limit"):
         return 2
     cfg = _config(args)
-    model = args.checkpoint or cfg.model.path
-    what = "--checkpoint" if args.checkpoint else "model.path"
-    if not (Path(model) / "config.json").is_file():
-        raise InputError(f"{what} {model}: no model folder there (no config.json)")
-    _check_weights(model, what)
+    model = _checkpoint(args, cfg)
     result = probe(cfg, model, limit=args.limit or 0)
     if not result["kinds"]:
         raise InputError(f"no held-out question could be probed (not the embedded world's questions?): "
