@@ -17,6 +17,11 @@ buffer refused; they are held and sent again with the next push (after ``push_re
 never waited on: the episodes that finish meanwhile go out alongside them, so a refused member of a new group never
 holds back the members that complete the groups the buffer already holds (that stalled a run for ever:
 ``buffer.replay_buffer``, "Capacity and backpressure").
+
+Where time idles, reported with the totals (``RolloutStats``): the worker wraps its runner's engine in a
+``MeteredEngine``, which counts the engine's requests in flight over time (``engine_idle_s``: the seconds with none,
+no episode generating), and reads the runner's ``EpisodeTimers`` (``episode_s``, ``tool_wait_s``: episode-seconds in
+all, and awaiting the search tool).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from actors.lockstep import LockstepEngine, TurnBarrier
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode import EpisodeRunner, PromptTooLongError
 from async_agent_rl.records import Trajectory
-from async_agent_rl.stats import EpisodeCounters, RolloutStats, new_incarnation
+from async_agent_rl.stats import EpisodeCounters, Occupancy, RolloutStats, new_incarnation
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,28 @@ class PromptSource:
             self.epoch += 1
 
 
+class MeteredEngine:
+    """An engine whose ``generate`` requests in flight are counted over time (``requests``, an ``Occupancy``): its
+    idle seconds are the time with no request in flight. Everything else is the wrapped engine's."""
+
+    def __init__(self, engine: Any, requests: Occupancy | None = None):
+        self.engine = engine
+        self.requests = requests or Occupancy()
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def generate(self, req: Any) -> Any:
+        with self.requests.held():
+            return await self.engine.generate(req)
+
+    def __getattr__(self, name: str) -> Any:  # update_weights, close, ...: the engine's own
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+
 async def admit_all(n: int, version: int, group_id: str) -> int:
     """Admission that always grants (standalone rollouts, no staleness bound)."""
     return n
@@ -85,6 +112,9 @@ class WorkerStats(EpisodeCounters):
     failures: Counter = field(default_factory=Counter)
     started_at: float = field(default_factory=time.monotonic)
     incarnation: str = field(default_factory=new_incarnation)
+    # set by the worker: its engine's requests in flight, its runner's episode timers (``EpisodeTimers``)
+    engine_requests: Occupancy | None = field(default=None, repr=False, compare=False)
+    timers: Any = field(default=None, repr=False, compare=False)
 
     def add_finished(self, traj: Trajectory) -> None:
         self.finished += 1
@@ -103,6 +133,11 @@ class WorkerStats(EpisodeCounters):
     def message(self, **actor: Any) -> RolloutStats:
         """These totals as a ``RolloutStats``; ``actor`` sets the actor's own fields (index, version, search, ...)."""
         totals = {f.name: getattr(self, f.name) for f in fields(EpisodeCounters)}
+        idle = {}
+        if self.engine_requests is not None:
+            idle["engine_idle_s"] = self.engine_requests.totals()[1]
+        if self.timers is not None:
+            idle["episode_s"], idle["tool_wait_s"] = self.timers.totals()
         return RolloutStats(
             **{**totals, "reward_component_sums": dict(self.reward_component_sums),
                "finish_reasons": dict(self.finish_reasons), "failures": dict(self.failures),
@@ -110,6 +145,7 @@ class WorkerStats(EpisodeCounters):
             incarnation=self.incarnation,
             elapsed_s=time.monotonic() - self.started_at,
             running=self.started - self.finished - self.failed,
+            **idle,
             **actor,
         )
 
@@ -166,6 +202,10 @@ class RolloutWorker:
         self.mode = mode
         self.max_concurrent = max_concurrent
         self.stats = WorkerStats()
+        if not isinstance(runner.engine, MeteredEngine):  # the engine's idle time, counted from the worker's start
+            runner.engine = MeteredEngine(runner.engine, Occupancy(start=self.stats.started_at))
+        self.stats.engine_requests = runner.engine.requests
+        self.stats.timers = getattr(runner, "timers", None)
         self._slots = asyncio.Semaphore(max_concurrent)
         self._outbox: asyncio.Queue[Trajectory | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
@@ -260,7 +300,8 @@ class RolloutWorker:
                 continue
             barrier = TurnBarrier(len(wave) * self.group_size)
             r = self.runner
-            lockstep = EpisodeRunner(LockstepEngine(r.engine, barrier), r.search, r.tokenizer, r.s)
+            # the engine stays metered (a wave waiting at the barrier is engine idle time), the timers are shared
+            lockstep = EpisodeRunner(LockstepEngine(r.engine, barrier), r.search, r.tokenizer, r.s, r.timers)
             for ex, gid in wave:
                 await self._start_group(ex, gid, lockstep, barrier)
             await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -21,6 +21,10 @@ follows it and at least ``min_turn_tokens`` of budget and context remain for tha
 an error observation (masked, counted in ``meta.num_search_errors``), never an exception. An episode with no
 model token at all raises ``EmptyEpisodeError`` (the learner cannot train on it).
 
+Where episode time goes: the runner's ``timers`` (``EpisodeTimers``) count the episodes running and the episodes
+awaiting the search tool over time (``stats.Occupancy``); the rollout worker reports their totals (episode-seconds,
+tool-wait seconds) in ``RolloutStats``.
+
 Rewards score the model's own turns (``rewards.scoring_text``: observations are opaque blocks) and
 ``retrieval_hit`` credits only the search results that were appended, as the model read them (truncated).
 """
@@ -29,9 +33,10 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode_settings import EpisodeSettings
@@ -39,6 +44,7 @@ from async_agent_rl.prompts import STOP_STRINGS, prompt_ids, render_question_pro
 from async_agent_rl.records import OBS_VERSION, EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.render import INFORMATION_CLOSE, INFORMATION_OPEN, render_information, truncate_observation
 from async_agent_rl.rewards import compute_rewards, scoring_text
+from async_agent_rl.stats import Occupancy
 
 log = logging.getLogger(__name__)
 
@@ -122,15 +128,35 @@ class SearchTool(Protocol):
     async def search(self, query: str) -> Sequence[Any]: ...
 
 
-class EpisodeRunner:
-    """Runs episodes for one engine + search tool + tokenizer. Stateless between episodes; safe to share across
-    many concurrent asyncio tasks."""
+@dataclass
+class EpisodeTimers:
+    """Episode time, counted over time by every episode a runner runs: ``episodes`` running (integral:
+    episode-seconds), ``searches``: episodes awaiting the search tool (integral: tool-wait seconds)."""
 
-    def __init__(self, engine: TurnEngine, search: SearchTool, tokenizer: Any, settings: EpisodeSettings):
+    clock: Callable[[], float] = time.monotonic
+    episodes: Occupancy = field(init=False)
+    searches: Occupancy = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.episodes, self.searches = Occupancy(self.clock), Occupancy(self.clock)
+
+    def totals(self) -> tuple[float, float]:
+        """``(episode_s, tool_wait_s)`` up to now."""
+        return self.episodes.totals()[0], self.searches.totals()[0]
+
+
+class EpisodeRunner:
+    """Runs episodes for one engine + search tool + tokenizer. Stateless between episodes but for ``timers`` (shared
+    with a runner made from this one, e.g. the lockstep baseline's); safe to share across many concurrent asyncio
+    tasks."""
+
+    def __init__(self, engine: TurnEngine, search: SearchTool, tokenizer: Any, settings: EpisodeSettings,
+                 timers: EpisodeTimers | None = None):
         self.engine = engine
         self.search = search
         self.tokenizer = tokenizer
         self.s = settings
+        self.timers = timers or EpisodeTimers()
         self._closing_ids = self._encode(INFORMATION_CLOSE)
         self._invalid_ids = self._encode(INVALID_ACTION_OBSERVATION)[: settings.max_obs_length]
 
@@ -176,6 +202,10 @@ class EpisodeRunner:
     async def run(
         self, ex: QAExample, group_id: str = "", trajectory_id: str = "", seed: int | None = None
     ) -> Trajectory:
+        with self.timers.episodes.held():
+            return await self._run(ex, group_id, trajectory_id, seed)
+
+    async def _run(self, ex: QAExample, group_id: str, trajectory_id: str, seed: int | None) -> Trajectory:
         s = self.s
         prompt = self.prompt_ids_for(ex)
         if len(prompt) > s.max_prompt_length:
@@ -232,7 +262,9 @@ class EpisodeRunner:
             if action == "search":
                 searches += 1
                 try:
-                    obs_ids = self.observation_ids(await self.search.search(arg))
+                    with self.timers.searches.held():  # the episode's time waiting for the tool
+                        hits = await self.search.search(arg)
+                    obs_ids = self.observation_ids(hits)
                     obs_kind = "search_results"
                 except SearchError as e:
                     errors += 1

@@ -12,6 +12,7 @@ message             produced by                                     consumed by
 ``DriverStats``     the driver (faults)                             ``DriverMetrics``
 ``PublishStats``    ``driver.weight_sync`` publishers              metrics.jsonl, ``DriverMetrics``
 ``LearningStats``   ``driver.train.LearningSignals``                metrics.jsonl, ``LearningMetrics``
+``IdleStats``       the driver, per step (``idle_stats``)           metrics.jsonl, ``IdleMetrics``
 ``EvalScore``       (the keys of one ``score_episodes`` entry)      ``EvalMetrics``
 ==================  ==============================================  ==========================================
 
@@ -28,14 +29,71 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Optional
+from typing import Callable, Hashable, Iterator, Mapping, Optional, Sequence
 
 
 def new_incarnation() -> str:
     """An id for one life of a reporting process: its totals restart at zero when this changes."""
     return uuid.uuid4().hex
+
+
+# ------------------------------------------------------------------------------------------------- occupancy
+class Occupancy:
+    """Time-weighted accounting of how many of something are in flight (engine requests, running episodes, episodes
+    awaiting the search tool), from ``start`` (default: creation) on, by ``clock`` (default ``time.monotonic``):
+    ``busy_s`` is the integral of the count over time (3 episodes for 2 s: 6 episode-seconds), ``idle_s`` the time
+    with none in flight. Both are totals up to the moment they are read (the interval in progress included), so they
+    only grow. ``held()`` counts one in flight for the ``with`` block, however it ends (exception, cancellation)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, start: Optional[float] = None):
+        self._clock = clock
+        self._t = clock() if start is None else start
+        self._n = 0
+        self._busy = self._idle = 0.0
+        self._lock = threading.Lock()
+
+    def _advance(self) -> None:
+        now = self._clock()
+        dt = max(0.0, now - self._t)
+        self._t = max(self._t, now)
+        if self._n:
+            self._busy += self._n * dt
+        else:
+            self._idle += dt
+
+    def enter(self) -> None:
+        with self._lock:
+            self._advance()
+            self._n += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            if self._n <= 0:
+                raise RuntimeError("Occupancy.leave() without a matching enter()")
+            self._advance()
+            self._n -= 1
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    @property
+    def in_flight(self) -> int:
+        return self._n
+
+    def totals(self) -> tuple[float, float]:
+        """``(busy_s, idle_s)`` up to now."""
+        with self._lock:
+            self._advance()
+            return self._busy, self._idle
 
 
 # ----------------------------------------------------------------------------------------------------- rollout
@@ -100,6 +158,12 @@ class RolloutStats(EpisodeCounters):
     pid: int = 0  # the actor's process (a driver on the same machine ends a hung one by it)
     search: SearchStats = field(default_factory=SearchStats)
     weight_updates: list[WeightUpdate] = field(default_factory=list)  # the latest few
+    # where time idles (``Occupancy`` totals since ``incarnation`` began, up to this report): seconds the engine had
+    # no request in flight (no episode generating), episode-seconds of all episodes (running episodes integrated over
+    # time) and the part of them spent awaiting the search tool
+    engine_idle_s: float = 0.0
+    episode_s: float = 0.0
+    tool_wait_s: float = 0.0
 
     @property
     def exact_match_sum(self) -> Optional[float]:
@@ -351,6 +415,50 @@ class LearningStats:
     zero_variance_share: Optional[float] = None
     entropy: Optional[float] = None
     by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class IdleStats:
+    """Where time idled during one learner step, i.e. since the previous step's record (``idle_stats``):
+
+    - ``sample_wait_s``: seconds the learner waited for the step's batch (the driver's wait, the learner's own step
+      time taken out); ``learner_batch_wait_share``: that wait over the step's wall time (previous record to this
+      one, evaluations and checkpoints between steps included);
+    - ``rollout_engine_idle_share``: over the rollout actors, seconds their engines had no request in flight over the
+      seconds that passed in them (one actor idle and one busy: 0.5);
+    - ``rollout_tool_wait_s``: episode-seconds spent awaiting the search tool, summed over episodes and actors;
+      ``rollout_tool_wait_share``: that over all episode-seconds (the share of episode time that was tool wait).
+
+    A share is None when its denominator is 0 (no time passed, no episode ran)."""
+
+    sample_wait_s: float = 0.0
+    learner_batch_wait_share: Optional[float] = None
+    rollout_engine_idle_share: Optional[float] = None
+    rollout_tool_wait_s: float = 0.0
+    rollout_tool_wait_share: Optional[float] = None
+
+
+def idle_stats(wait_s: float, step_wall_s: float, rollout: Sequence[RolloutStats],
+               previous: Mapping[int, RolloutStats]) -> IdleStats:
+    """The step's ``IdleStats`` from the learner's wait, the step's wall time and every actor's stats now and at
+    the previous record (``previous``, by actor index). An actor without a previous report in the same incarnation
+    (the first step, a restarted actor) counts from its start."""
+    wall = idle = episodes = tool = 0.0
+    for r in rollout:
+        p = previous.get(r.index)
+        if p is None or p.incarnation != r.incarnation or r.elapsed_s < p.elapsed_s:
+            p = RolloutStats()
+        wall += max(0.0, r.elapsed_s - p.elapsed_s)
+        idle += max(0.0, r.engine_idle_s - p.engine_idle_s)
+        episodes += max(0.0, r.episode_s - p.episode_s)
+        tool += max(0.0, r.tool_wait_s - p.tool_wait_s)
+    return IdleStats(
+        sample_wait_s=wait_s,
+        learner_batch_wait_share=min(1.0, wait_s / step_wall_s) if step_wall_s > 0 else None,
+        rollout_engine_idle_share=min(1.0, idle / wall) if wall > 0 else None,
+        rollout_tool_wait_s=tool,
+        rollout_tool_wait_share=min(1.0, tool / episodes) if episodes > 0 else None,
+    )
 
 
 @dataclass
