@@ -92,6 +92,20 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
             (rate("aar_rollout_finish_reasons_total", "reason"), "{{reason}}"),
         ]),
     ]),
+    ("Idle time", [
+        ("Learner waiting for a batch (share of step wall time)", "percentunit", [
+            ("aar_learner_batch_wait_share", "latest step"),
+        ]),
+        ("Engine idle (no request in flight)", "percentunit", [
+            ("aar_rollout_engine_idle_share", "all actors, since the previous step"),
+            (rate("aar_rollout_engine_idle_seconds_total", "actor"), "actor {{actor}}"),
+        ]),
+        ("Episode time waiting for the search tool", "percentunit", [
+            ("aar_rollout_tool_wait_share", "all actors, since the previous step"),
+            (f"{rate('aar_rollout_tool_wait_seconds_total')} / {rate('aar_rollout_episode_seconds_total')}",
+             "all actors"),
+        ]),
+    ]),
     ("Staleness", [
         ("Staleness of consumed trajectories", "short", [
             (quantile(0.5, "aar_buffer_consumed_staleness"), "p50"),
@@ -278,7 +292,7 @@ def build() -> dict[str, Any]:
         "annotations": {"list": [{
             "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
             "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"}]},
-        "description": "async_agent_rl: throughput, staleness, buffer, learner, reward, search, weight sync. "
+        "description": "async_agent_rl: throughput, idle time, staleness, buffer, learner, reward, search, weight sync. "
                        "Metric reference: docs/METRICS.md.",
         "editable": True,
         "fiscalYearStartMonth": 0,

@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from async_agent_rl.stats import BufferStats, LearnerStats, PublishStats, RolloutStats
+from async_agent_rl.stats import BufferStats, IdleStats, LearnerStats, PublishStats, RolloutStats
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def prometheus_config(sd_file: str | os.PathLike, scrape_interval: str = DEFAULT
 # ------------------------------------------------------------------------------------------- a run's monitoring
 class RunMonitoring:
     """The driver's side of monitoring for one run, in ``folder`` (``RUN_DIR/prometheus``): one registry with every
-    updater (``rollout``, ``buffer``, ``learner``, ``driver``, ``eval``), its exporter on 127.0.0.1, the discovery
+    updater (``rollout``, ``buffer``, ``learner``, ``driver``, ``eval``, ``learning``, ``idle``), its exporter on 127.0.0.1, the discovery
     file (``targets.json`` unless ``sd_file`` says otherwise) and a ``prometheus.yml`` beside it that scrapes it::
 
         mon = RunMonitoring.from_config(cfg.monitoring, run_dir)          # None when monitoring.enabled is false
@@ -199,7 +199,7 @@ class RunMonitoring:
         mon.poll(lambda: mon.observe(rollout=ray.get([a.stats.remote() for a in actors]),
                                      buffer=ray.get(buffer.stats.remote())), every_s=cfg.monitoring.log_every_s)
         ...  # each learner step:
-        mon.observe(learner=learner_stats, publish=publish_stats)
+        mon.observe(learner=learner_stats, publish=publish_stats, idle=idle_stats)
         mon.eval.update(scores, split="heldout", step=step)                # after each evaluation
         mon.close()                                                        # stops polling, frees the port
 
@@ -213,6 +213,7 @@ class RunMonitoring:
         self.updaters = updaters
         self.rollout, self.buffer, self.learner = updaters["rollout"], updaters["buffer"], updaters["learner"]
         self.driver, self.eval, self.learning = updaters["driver"], updaters["eval"], updaters["learning"]
+        self.idle = updaters["idle"]
         self.sd_file = Path(sd_file) if sd_file else self.folder / "targets.json"
         self.config_file = self.folder / "prometheus.yml"
         self.job = job
@@ -280,9 +281,10 @@ class RunMonitoring:
                f"({self.exporter_restarts} restart(s))"
 
     def observe(self, *, rollout: Sequence[RolloutStats] = (), buffer: Optional[BufferStats] = None,
-                learner: Optional[LearnerStats] = None, publish: Optional[PublishStats] = None) -> None:
+                learner: Optional[LearnerStats] = None, publish: Optional[PublishStats] = None,
+                idle: Optional[IdleStats] = None) -> None:
         """Fold in whatever the driver has at hand: ``RolloutActor.stats()`` of each actor, ``BufferActor.stats()``,
-        the ``train_step`` stats, the step's ``PublishStats`` (None: skipped)."""
+        the ``train_step`` stats, the step's ``PublishStats`` and ``IdleStats`` (None: skipped)."""
         for stats in rollout:
             self.rollout.update(stats)
         if buffer is not None:
@@ -291,6 +293,8 @@ class RunMonitoring:
             self.learner.update(learner)
         if publish is not None:
             self.driver.observe_publish(publish)
+        if idle is not None:
+            self.idle.update(idle)
 
     def poll(self, fn: Callable[[], Any], every_s: float) -> None:
         """Call ``fn`` every ``every_s`` seconds from a daemon thread until ``close()`` (e.g. fetch the actors'

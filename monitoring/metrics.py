@@ -43,8 +43,8 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from async_agent_rl.stats import (
-    LEARNER_METRICS, AdmissionStats, BufferStats, DriverStats, EvalScore, LearnerStats, LearningStats, PublishStats,
-    RolloutStats, RunTotals, SearchStats,
+    LEARNER_METRICS, AdmissionStats, BufferStats, DriverStats, EvalScore, IdleStats, LearnerStats, LearningStats,
+    PublishStats, RolloutStats, RunTotals, SearchStats,
 )
 
 PREFIX = "aar_"
@@ -73,17 +73,20 @@ class MetricSpec:
 
 
 SPECS: dict[str, MetricSpec] = {}
-COMPONENTS = ("rollout", "search", "buffer", "admission", "learner", "driver", "eval")
+COMPONENTS = ("rollout", "search", "buffer", "admission", "learner", "driver", "idle", "eval")
 # the message each component's metrics are fed from (the driver's metrics name theirs)
 SOURCES: dict[str, type] = {"rollout": RolloutStats, "search": SearchStats, "buffer": BufferStats,
-                            "admission": AdmissionStats, "learner": LearnerStats, "eval": EvalScore}
+                            "admission": AdmissionStats, "learner": LearnerStats, "idle": IdleStats, "eval": EvalScore}
+# components the driver computes from several others' messages: their names follow the quantity (aar_learner_...,
+# aar_rollout_...), not the component
+DRIVER_SIDE = ("driver", "idle")
 
 
 def _define(component: str, name: str, kind: str, help: str, labels: Sequence[str] = (),
             buckets: Optional[Sequence[float]] = None, *, field: str, source: Optional[type] = None) -> str:
     """Record one metric in ``SPECS`` and return its name (the module constant). ``field`` of ``source`` (by
     default the component's message) feeds it."""
-    if not name.startswith(PREFIX) or (component != "driver" and not name.startswith(f"{PREFIX}{component}_")):
+    if not name.startswith(PREFIX) or (component not in DRIVER_SIDE and not name.startswith(f"{PREFIX}{component}_")):
         raise ValueError(f"{name}: a {component} metric must start with {PREFIX}{component}_")
     if name in SPECS:
         raise ValueError(f"metric {name} defined twice")
@@ -146,6 +149,17 @@ ROLLOUT_WEIGHT_UPDATE_SECONDS = _define(
 ROLLOUT_WEIGHT_UPDATE_PAUSE_SECONDS = _define(
     "rollout", "aar_rollout_weight_update_pause_seconds", HISTOGRAM,
     "generation paused during one weight reload", A, WEIGHT_SECONDS_BUCKETS, field="weight_updates")
+ROLLOUT_ENGINE_IDLE_SECONDS = _define(
+    "rollout", "aar_rollout_engine_idle_seconds_total", COUNTER,
+    "seconds the engine had no request in flight (no episode generating); rate(this) = the engine's idle share", A,
+    field="engine_idle_s")
+ROLLOUT_EPISODE_SECONDS = _define(
+    "rollout", "aar_rollout_episode_seconds_total", COUNTER,
+    "episode-seconds: running episodes integrated over time (rate(this) = mean episodes running)", A, field="episode_s")
+ROLLOUT_TOOL_WAIT_SECONDS = _define(
+    "rollout", "aar_rollout_tool_wait_seconds_total", COUNTER,
+    "episode-seconds spent awaiting the search tool (tool wait share = rate(this) / rate(episode seconds))", A,
+    field="tool_wait_s")
 
 # ------------------------------------------------------------------------------------- search client (per actor)
 SEARCH_REQUESTS = _define("search", "aar_search_requests_total", COUNTER, "/retrieve calls made by the client", A, field="requests")
@@ -284,6 +298,23 @@ LEARNING_EXACT_MATCH_BY_KIND = _define(
 LEARNING_SEARCHES_BY_KIND = _define(
     "driver", "aar_learning_rollout_searches", GAUGE,
     "searches per rollout episode finished since the previous step, by question kind", ("kind",), field="by_kind", source=LearningStats)
+
+# ------------------------------------------------------------------------------------- idle time (driver, per step)
+IDLE_LEARNER_BATCH_WAIT_SECONDS = _define(
+    "idle", "aar_learner_batch_wait_seconds", GAUGE,
+    "seconds the learner waited for its batch in the latest step (metrics.jsonl: sample_wait_s)", field="sample_wait_s")
+IDLE_LEARNER_BATCH_WAIT_SHARE = _define(
+    "idle", "aar_learner_batch_wait_share", GAUGE,
+    "share of the latest step's wall time (previous step's record to this one) the learner waited for its batch",
+    field="learner_batch_wait_share")
+IDLE_ROLLOUT_ENGINE_IDLE_SHARE = _define(
+    "idle", "aar_rollout_engine_idle_share", GAUGE,
+    "share of the time since the previous step the rollout engines had no request in flight, over all actors",
+    field="rollout_engine_idle_share")
+IDLE_ROLLOUT_TOOL_WAIT_SHARE = _define(
+    "idle", "aar_rollout_tool_wait_share", GAUGE,
+    "share of the episode time since the previous step spent awaiting the search tool, over all actors",
+    field="rollout_tool_wait_share")
 
 # --------------------------------------------------------------------------------------------------------- eval
 EVAL_LABELS = ("split", "source")
@@ -655,7 +686,20 @@ class LearningMetrics:
                     self.gauges[spec.name].set(v, *labels)
 
 
-UPDATERS = (RolloutMetrics, BufferMetrics, LearnerMetrics, DriverMetrics, EvalMetrics, LearningMetrics)
+class IdleMetrics:
+    """Where time idled in the latest learner step (``IdleStats``, the driver's ``idle_stats``): one gauge per field
+    its spec names (a share not computed, None, leaves its gauge as it was)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.gauges = {s.name: _gauges(registry, s.name) for s in _specs("idle")}
+
+    def update(self, m: IdleStats) -> None:
+        for spec in _specs("idle"):
+            for labels, v in _values(spec, m):
+                self.gauges[spec.name].set(v, *labels)
+
+
+UPDATERS = (RolloutMetrics, BufferMetrics, LearnerMetrics, DriverMetrics, EvalMetrics, LearningMetrics, IdleMetrics)
 
 
 def register_all(registry: CollectorRegistry) -> dict[str, Any]:
@@ -667,6 +711,7 @@ def register_all(registry: CollectorRegistry) -> dict[str, Any]:
         "driver": DriverMetrics(registry),
         "eval": EvalMetrics(registry),
         "learning": LearningMetrics(registry),
+        "idle": IdleMetrics(registry),
     }
 
 
@@ -681,6 +726,7 @@ def render_markdown(specs: Iterable[MetricSpec] = ()) -> str:
         "admission": "Admission control in the buffer actor (`BufferMetrics`, from `BufferStats.admission`)",
         "learner": "Learner (`LearnerMetrics`, from `train_step`: `LearnerStats`)",
         "driver": "Driver, weight sync and learning signals (`DriverMetrics`, `LearningMetrics`)",
+        "idle": "Idle time, per learner step (`IdleMetrics`, from the driver's `IdleStats`)",
         "eval": "Evaluation (`EvalMetrics`, from `score_episodes`)",
     }
     out = [
@@ -721,6 +767,16 @@ def render_markdown(specs: Iterable[MetricSpec] = ()) -> str:
         "",
         "Train exact match comes from `RolloutStats.reward_component_sums['exact_match']` (an `exact_match` reward",
         "term, as in the default config).",
+        "",
+        "Idle time. Each metrics.jsonl record has the step's `IdleStats` (`async_agent_rl/stats.py`, `idle_stats`)",
+        "as top-level keys: `sample_wait_s` (the learner's wait for the step's batch), `learner_batch_wait_share`",
+        "(that over the step's wall time, previous record to this one), `rollout_engine_idle_share` (seconds the",
+        "rollout engines had no request in flight over the seconds that passed in them, all actors),",
+        "`rollout_tool_wait_s` and `rollout_tool_wait_share` (episode-seconds awaiting the search tool, and their",
+        "share of all episode-seconds), each since the previous record; a share is null when nothing passed. The",
+        "engine's requests are counted where they are made (`actors.rollout_worker.MeteredEngine`), the tool wait",
+        "around the search call of the episode loop (`async_agent_rl.episode.EpisodeTimers`); both as time-weighted",
+        "totals (`stats.Occupancy`) that `RolloutStats` reports and the `aar_rollout_*_seconds_total` counters follow.",
     ]
     for comp in COMPONENTS:
         rows = [s for s in specs if s.component == comp]

@@ -24,7 +24,7 @@ from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.staleness import AdmissionState
 from async_agent_rl.stats import (
-    BufferStats, DriverStats, LearnerStats, PublishStats, RolloutStats, SearchStats, WeightUpdate,
+    BufferStats, DriverStats, LearnerStats, PublishStats, RolloutStats, SearchStats, WeightUpdate, idle_stats,
 )
 from buffer.actor import BufferActor
 from buffer.replay_buffer import ReplayBuffer
@@ -162,6 +162,7 @@ def test_every_metric_is_fed_by_some_updater(tok):
     u["eval"].update({"all": {"n": 10, "exact_match": 0.5, "f1": 0.6, "searches_per_question": 1.2,
                               "turns_per_question": 2.0}}, split="heldout", step=0)
     u["learning"].update(LearningSignals().update([rollout], buffer, gae))
+    u["idle"].update(idle_stats(1.5, 6.0, [rollout], {}))
     assert value(reg, M.ROLLOUT_TURNS, actor="0") == 16
     text = generate_latest(reg).decode()
     samples = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -453,7 +454,7 @@ def test_dashboard_queries_use_only_defined_metrics_and_cover_the_sections():
             assert n in known or base in known, f"{q}: unknown metric {n}"
         expand_grafana_vars(q)  # no variable the checker cannot expand
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert rows == ["Learning", "Throughput", "Staleness", "Buffer", "Learner", "Reward and exact match", "Search", "Weight sync"]
+    assert rows == ["Learning", "Throughput", "Idle time", "Staleness", "Buffer", "Learner", "Reward and exact match", "Search", "Weight sync"]
     joined = "\n".join(queries)
     for needle in ("by (actor) (rate(aar_rollout_generated_tokens_total", "by (actor) (rate(aar_rollout_episodes_",
                    "histogram_quantile(0.9, sum by (le) (rate(aar_buffer_consumed_staleness_bucket",
