@@ -45,7 +45,9 @@ from transformers import AutoTokenizer
 from actors.rollout_actor import create_rollout_actors
 from async_agent_rl.config import Config, load_config
 from async_agent_rl.errors import InputError
-from async_agent_rl.stats import BufferStats, LearnerStats, PublishStats, RolloutStats, RunTotals
+from async_agent_rl.stats import (
+    BufferStats, IdleStats, LearnerStats, PublishStats, RolloutStats, RunTotals, idle_stats,
+)
 from async_agent_rl.weight_group import backend_for
 from buffer.actor import SNAPSHOT_FILE, create_buffer_actor
 from driver.cluster import check_actors_fit, check_address, link_ray_logs, ray_init, resources_line
@@ -189,6 +191,8 @@ class Trainer:
         self.watchdog = ProgressWatchdog(cfg.cluster.progress_timeout_s, floor=first_step_s(cfg))
         self.stop_signal: int | None = None  # SIGINT or SIGTERM received: stop at the next safe point
         self.in_warm_start = False
+        self._recorded_at: float | None = None  # when the previous step was recorded (its wall time ends there)
+        self._recorded_rollout: dict[int, RolloutStats] = {}  # each actor's stats at that record (idle time since)
 
     # --------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -520,15 +524,20 @@ class Trainer:
 
     def _record_step(self, metrics: LearnerStats, publish: PublishStats | None, rollout: list[RolloutStats],
                      wait_s: float, t0: float) -> None:
-        """Everything a step reports: the monitor, the learning signals and their warnings, one metrics.jsonl record
-        and the console line."""
+        """Everything a step reports: the monitor, the learning signals and their warnings, where time idled since the
+        previous step (``IdleStats``: the learner's wait for its batch, the engines' idle time, the episodes' wait for
+        the search tool), one metrics.jsonl record and the console line."""
         buffer = self._ask(self.buffer.stats.remote(), "the buffer actor")
+        now = time.monotonic()
+        idle = idle_stats(wait_s, now - (t0 if self._recorded_at is None else self._recorded_at), rollout,
+                          self._recorded_rollout)
+        self._recorded_at, self._recorded_rollout = now, {r.index: r for r in rollout}
         if self.mon is not None:
             healed = self.mon.heal()  # an exporter whose thread died serves again (not a reason to stop a run)
             if healed:
                 self.log.say(f"[fault] {healed}")
-            self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish)
-        record = self._record(metrics, publish, rollout, buffer, wait_s, time.monotonic() - t0)
+            self.mon.observe(rollout=rollout, buffer=buffer, learner=metrics, publish=publish, idle=idle)
+        record = self._record(metrics, publish, rollout, buffer, idle, time.monotonic() - t0)
         record["batch"] = metrics.batch
         learning = self.learning.update(rollout, buffer, metrics)
         record["learning"] = dataclasses.asdict(learning)
@@ -557,7 +566,7 @@ class Trainer:
         )
 
     def _record(self, metrics: LearnerStats, publish: PublishStats | None, rollout: list[RolloutStats],
-                buffer: BufferStats, wait_s: float, elapsed: float) -> dict:
+                buffer: BufferStats, idle: IdleStats, elapsed: float) -> dict:
         per_actor = {f"actor{r.index}": run_totals(r) for r in rollout}
         run = self.fleet.totals.run()
         finished, em_sum, generated = run.get("finished", 0), run.get("em_sum", 0.0), run.get("generated_tokens", 0)
@@ -580,7 +589,7 @@ class Trainer:
             "per_actor": per_actor,
             "actor_restarts": dict(self.fleet.restarts),
             "lost_episodes": self.fleet.lost_episodes,
-            "sample_wait_s": wait_s,
+            **dataclasses.asdict(idle),  # sample_wait_s (the learner's wait for the batch) and the idle shares
             "buffer_size": buffer.size,
             "buffer_evicted": buffer.evicted,
             "buffer_filtered_groups": buffer.filtered_groups,
