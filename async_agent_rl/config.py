@@ -160,6 +160,17 @@ class SearchClientConfig(_Section):
     pool_size: int = Field(256, ge=1)
 
 
+class ToolLimitsConfig(_Section):
+    """Limits on the calls to the search tool, in the retrieval server (``retriever serve`` or ``retriever proxy``),
+    shared by every rollout actor of a run. A query over a limit waits in the server, first come first served (no
+    error); the wait counts toward the client's ``retriever.client.timeout_s``."""
+
+    max_concurrent: int = Field(0, ge=0, description="queries in flight to the tool at once (0 = no cap); more wait")
+    rate_per_s: float = Field(0.0, ge=0, description="token bucket: queries a second (0 = no rate limit); more wait")
+    burst: int = Field(0, ge=0, description="token bucket size: queries that may go at once after a pause (0 = one "
+                       "second's worth, max(1, rate_per_s))")
+
+
 class RetrieverConfig(_Section):
     url: Optional[str] = Field(None, description="use an existing Search-R1-compatible server instead of starting one")
     host: str = "127.0.0.1"
@@ -179,6 +190,14 @@ class RetrieverConfig(_Section):
     batch_window_ms: float = Field(2.0, ge=0, description="coalesce concurrent requests for this long (0 = off)")
     max_batch_queries: int = Field(256, ge=1)
     limits: RetrieverLimits = RetrieverLimits()
+    latency: Literal["none", "local", "web"] = Field(
+        "none", description="tool-latency model the server adds to every query (retriever/latency.py): none; local "
+        "(median 20 ms); web (median 0.5 s, p99 ~3 s, 2% of calls hang until the client gives up)")
+    latency_seed: int = Field(0, description="seed of the latency model: the same seed, the same delays in arrival "
+                              "order")
+    latency_hang_s: float = Field(60.0, gt=0, description="how long the server holds a call the latency model hangs "
+                                  "(cut short when the client disconnects); keep it above client.timeout_s")
+    tool_limits: ToolLimitsConfig = ToolLimitsConfig()
     client: SearchClientConfig = SearchClientConfig()
 
     @field_validator("host")
@@ -206,6 +225,15 @@ class RetrieverConfig(_Section):
                                  "with)")
             if self.index_dir is not None:
                 raise ValueError("set faiss_index or index_dir, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _slow_tool_needs_own_server(self) -> "RetrieverConfig":
+        t = self.tool_limits
+        if self.url is not None and (self.latency != "none" or t.max_concurrent or t.rate_per_s):
+            raise ValueError("latency and tool_limits act in the server this run starts, and with url it starts none: "
+                             "run `async-agent-rl retriever proxy --upstream URL --latency ... --max-concurrent ...` "
+                             "in front of that server and set url to the proxy")
         return self
 
 

@@ -10,9 +10,10 @@
 (c) search latency (``--latency none,web,local``): one block of both arms per model, all in one run. The harness
     wraps the search tool the ``EpisodeRunner`` calls (``LatencySearch``, the ``SearchTool`` protocol of
     ``async_agent_rl.episode``) so that every call sleeps a sampled latency (``asyncio.sleep``) and then returns the
-    real retriever's answer. The retriever server itself is never slowed. Models (``LATENCY_MODELS``): ``none``;
-    ``web``: log-normal, median 0.3 s, sigma 0.8, capped at 8 s (a web search API: most calls a few hundred ms, a
-    tail to seconds); ``local``: log-normal, median 20 ms, sigma 0.5, capped at 0.5 s (a dense retriever on a GPU).
+    real retriever's answer. The retriever server itself is never slowed here. Models: the server's one table
+    (``retriever.latency.LATENCY_MODELS``): ``none``; ``web``: log-normal, median 0.5 s, sigma 0.8, capped at 8 s,
+    2% of calls hang (here: cost the client's timeout, then answer); results recorded before the shared table used
+    median 0.3 s and no hangs; ``local``: log-normal, median 20 ms, sigma 0.5, capped at 0.5 s (unchanged).
     Every arm draws from its own RNG seeded with the same ``--latency-seed``, so both arms of a block see the same
     latency sequence in call order.
 
@@ -34,40 +35,33 @@ import asyncio
 import json
 import math
 import os
-import random
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+from retriever.latency import LATENCY_MODELS, LatencyModel, LatencySampler
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-# name -> (median seconds, sigma of the log, cap seconds); None: no added latency
-LATENCY_MODELS: dict[str, tuple[float, float, float] | None] = {
-    "none": None,
-    "web": (0.3, 0.8, 8.0),
-    "local": (0.02, 0.5, 0.5),
-}
-
-
 class LatencySearch:
     """A ``SearchTool`` (``async_agent_rl.episode``) that sleeps a sampled latency before each call of the real one.
 
-    Benchmark harness only: the retriever server and the product's ``SearchClient`` are unchanged."""
+    Benchmark harness: the latency models are the retrieval server's (``retriever.latency.LATENCY_MODELS``, one
+    table), applied here to the tool the episode calls. A hung call costs ``hang_s`` (the client's timeout) and then
+    gets the real answer, as a retry that succeeded at once would."""
 
-    def __init__(self, inner, model: tuple[float, float, float] | None, seed: int):
-        self.inner, self.model = inner, model
-        self.rng = random.Random(seed)
+    def __init__(self, inner, model: LatencyModel, seed: int, hang_s: float = 5.0):
+        self.inner, self.model, self.hang_s = inner, model, hang_s
+        self.sampler = LatencySampler(model, seed)
         self.delays: list[float] = []
 
     def sample(self) -> float:
-        if self.model is None:
-            return 0.0
-        median, sigma, cap = self.model
-        return min(cap, self.rng.lognormvariate(math.log(median), sigma))
+        delay = self.sampler.sample()
+        return self.hang_s if math.isinf(delay) else delay
 
     async def search(self, query: str):
         delay = self.sample()
@@ -226,7 +220,8 @@ async def main(args) -> dict:
             async with SearchClient(server.url, cfg.retriever.client) as sc:
 
                 def runner(latency: str) -> EpisodeRunner:
-                    search = LatencySearch(sc, LATENCY_MODELS[latency], args.latency_seed)
+                    search = LatencySearch(sc, LATENCY_MODELS[latency], args.latency_seed,
+                                           hang_s=cfg.retriever.client.timeout_s)
                     return EpisodeRunner(engine, search, tok, settings)
 
                 await run_sync(runner("none"), examples[: args.concurrency], args.concurrency)  # warm-up, not timed
@@ -252,7 +247,7 @@ async def main(args) -> dict:
                     s = summarize("batch-synchronous", sync_trajs, sync_s) | {"latency": sync_runner.search.summary()}
                     block = {
                         "latency_model": latency,
-                        "latency_params": LATENCY_MODELS[latency],
+                        "latency_params": LATENCY_MODELS[latency].params(),
                         "arms": [a, s],
                         "async_over_sync_episodes_per_s": round(a["episodes_per_s"] / s["episodes_per_s"], 2),
                         "async_over_sync_tokens_per_s": round(

@@ -18,6 +18,15 @@ batch is full), and only one call runs at a time, so under load the batch grows 
 previous call. Backend calls run in a worker thread so the event loop keeps accepting requests. ``0`` turns batching
 off: every request makes its own backend call. A request whose client disconnected before its backend call started
 is dropped unsearched (counted as ``client_gone``), so clients that time out and retry do not pile up dead work.
+
+Slow tools (``retriever/latency.py``, ``retriever/tool_limits.py``; both off by default): every request passes a
+:class:`ToolGate` before its search. The gate draws each query's latency from the configured model
+(``retriever.latency``, seeded, in arrival order), waits first come first served for the tool limits
+(``retriever.tool_limits``: concurrency cap, token bucket; a query over a limit waits, it is never refused), then
+holds its slots while it sleeps the longest latency of its queries (``asyncio.sleep``, never blocking other
+requests) and the search runs. A hung call is held ``latency_hang_s`` or until its client disconnects. A client that
+disconnects while waiting or sleeping frees its place at once (counted as ``client_gone``). ``create_proxy_app``
+puts the same gate in front of another Search-R1-compatible server (``retriever proxy --upstream URL``).
 """
 
 from __future__ import annotations
@@ -39,17 +48,19 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from async_agent_rl.config import RetrieverConfig, RetrieverLimits, is_loopback
 from async_agent_rl.errors import InputError
 from async_agent_rl.search import Hit, SearchBackend
+from retriever.latency import LatencySampler, latency_model
+from retriever.tool_limits import ClientGone, ToolLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +71,14 @@ BATCH_QUERIES = "retriever_batch_queries"  # histogram: queries per backend call
 REQUEST_LATENCY = "retriever_request_latency_seconds"  # histogram
 BACKEND_LATENCY = "retriever_backend_latency_seconds"  # histogram: one backend call
 ERRORS = "retriever_errors"  # counter, label kind
+TOOL_LIMIT_WAITS = "retriever_tool_limit_waits"  # counter: queries that waited for a slot or a token
+TOOL_LIMIT_WAIT = "retriever_tool_limit_wait_seconds"  # histogram: one request's wait at the limits
+TOOL_INFLIGHT = "retriever_tool_inflight"  # gauge: queries in flight to the tool (past the limits)
+ADDED_LATENCY = "retriever_added_latency_seconds"  # histogram: the latency model's delay of one query (no hangs)
+SIMULATED_TIMEOUTS = "retriever_simulated_timeouts"  # counter: queries the latency model made hang
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -81,6 +98,19 @@ class ServerMetrics:
             BACKEND_LATENCY, "duration of one backend search call", buckets=LATENCY_BUCKETS, registry=r
         )
         self.errors = Counter(ERRORS, "failed /retrieve requests by kind", ["kind"], registry=r)
+        self.tool_limit_waits = Counter(
+            TOOL_LIMIT_WAITS, "queries that waited for a slot or a token of retriever.tool_limits", registry=r
+        )
+        self.tool_limit_wait = Histogram(
+            TOOL_LIMIT_WAIT, "one request's wait at the tool limits (0 when it went at once)", buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.tool_inflight = Gauge(TOOL_INFLIGHT, "queries in flight to the tool, past the limits", registry=r)
+        self.added_latency = Histogram(
+            ADDED_LATENCY, "delay the latency model drew for one query (hangs not included)", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.simulated_timeouts = Counter(SIMULATED_TIMEOUTS, "queries the latency model made hang", registry=r)
 
 
 # ------------------------------------------------------------------------------------------------ request parsing
@@ -167,10 +197,6 @@ def _error(status: int, message: str) -> web.Response:
 
 
 # ------------------------------------------------------------------------------------------------------- batching
-class ClientGone(Exception):
-    """The client disconnected (gave up) before its queries reached the backend; they were not searched."""
-
-
 def _always_alive() -> bool:
     return True
 
@@ -305,23 +331,66 @@ class QueryBatcher:
                     item.future.set_result([row[: item.topk] for row in rows])
 
 
-# ------------------------------------------------------------------------------------------------------------ app
-def create_app(
-    backend: SearchBackend,
-    config: RetrieverConfig | None = None,
-    metrics: ServerMetrics | None = None,
-) -> web.Application:
-    """The aiohttp application for ``backend`` with ``config``'s default topk, batching and limits.
+# ---------------------------------------------------------------------------------------------------- slow tools
+class ToolGate:
+    """The latency model and the tool limits of ``config``, in front of every search (module docstring).
 
-    Backend calls run one at a time in a single worker thread: backends need not be thread-safe, and a CPU-bound
-    search gains nothing from more threads under the GIL.
+    ``async with gate.call(n, alive): ...search...``: draws the ``n`` queries' latencies (arrival order), waits at
+    the limits, sleeps the longest latency, runs the body, then frees the slots. Raises :class:`ClientGone` when
+    ``alive()`` turns false while waiting or sleeping (checked every ``poll_s``).
     """
-    config = config if config is not None else RetrieverConfig()
-    metrics = metrics if metrics is not None else ServerMetrics()
+
+    def __init__(self, config: RetrieverConfig, metrics: ServerMetrics, poll_s: float = 0.1):
+        self.sampler = LatencySampler(latency_model(config.latency), config.latency_seed)
+        self.hang_s = config.latency_hang_s
+        t = config.tool_limits
+        self.limiter = ToolLimiter(t.max_concurrent, t.rate_per_s, t.burst, poll_s=max(poll_s, 0.01))
+        self.metrics = metrics
+        self.poll_s = poll_s
+
+    async def _sleep(self, seconds: float, alive: Callable[[], bool]) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while (left := end - loop.time()) > 0:
+            if not alive():
+                raise ClientGone()
+            await asyncio.sleep(min(left, self.poll_s))
+
+    @asynccontextmanager
+    async def call(self, n: int, alive: Callable[[], bool] = _always_alive) -> AsyncIterator[None]:
+        delay = 0.0
+        if not self.sampler.model.is_none:
+            for d in self.sampler.sample_many(n):
+                if d == float("inf"):
+                    self.metrics.simulated_timeouts.inc()
+                    d = self.hang_s
+                else:
+                    self.metrics.added_latency.observe(d)
+                delay = max(delay, d)
+        if self.limiter.enabled:
+            waited, seconds = await self.limiter.acquire(n, alive)
+            if waited:
+                self.metrics.tool_limit_waits.inc(n)
+            self.metrics.tool_limit_wait.observe(seconds)
+        self.metrics.tool_inflight.inc(n)
+        try:
+            if delay > 0:
+                await self._sleep(delay, alive)
+            yield
+        finally:
+            self.metrics.tool_inflight.dec(n)
+            if self.limiter.enabled:
+                self.limiter.release(n)
+
+
+# ------------------------------------------------------------------------------------------------------------ app
+Answer = Callable[[web.Request, bytes, RetrieveRequest], Awaitable[web.Response]]
+
+
+def _retrieve_handler(config: RetrieverConfig, metrics: ServerMetrics, gate: ToolGate, answer: Answer
+                      ) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``POST /retrieve``: body caps, parsing, the gate, then ``answer`` (search here, or forward upstream)."""
     limits = config.limits
-    backend_name = getattr(backend, "name", type(backend).__name__)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever-backend")
-    batcher = QueryBatcher(backend, executor, metrics, config.batch_window_ms / 1000.0, config.max_batch_queries)
 
     async def retrieve(request: web.Request) -> web.Response:
         start = time.perf_counter()
@@ -340,11 +409,14 @@ def create_app(
             except (ConnectionError, aiohttp.ClientPayloadError):  # the client hung up before its body was in
                 raise ClientGone() from None
             req = parse_retrieve_request(body, config.topk, limits)
-            hits = await batcher.search(req.queries, req.topk, alive=lambda: not _disconnected(request))
-            response = web.Response(
-                text=_dumps(format_result(hits, req.return_scores)), content_type="application/json"
-            )
-            metrics.queries.inc(len(req.queries))
+            alive = lambda: not _disconnected(request)  # noqa: E731
+            if req.queries:
+                async with gate.call(len(req.queries), alive):
+                    response = await answer(request, body, req)
+            else:
+                response = await answer(request, body, req)
+            if response.status == 200:
+                metrics.queries.inc(len(req.queries))
         except RequestError as e:
             metrics.errors.labels(e.kind).inc()
             response = _error(e.status, e.message)
@@ -359,8 +431,13 @@ def create_app(
         metrics.request_latency.observe(time.perf_counter() - start)
         return response
 
+    return retrieve
+
+
+def _app(config: RetrieverConfig, metrics: ServerMetrics, retrieve: Callable[[web.Request], Awaitable[web.Response]],
+         health_body: dict[str, str]) -> web.Application:
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "backend": backend_name}, dumps=_dumps)
+        return web.json_response(health_body, dumps=_dumps)
 
     async def prometheus(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -376,6 +453,34 @@ def create_app(
             metrics.errors.labels("http").inc()
             return _error(e.status, f"{e.reason}: {request.method} {request.path}")
 
+    # aiohttp enforces the body cap itself for bodies without a Content-Length (chunked uploads).
+    app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[json_errors])
+    app.router.add_post("/retrieve", retrieve)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", prometheus)
+    return app
+
+
+def create_app(
+    backend: SearchBackend,
+    config: RetrieverConfig | None = None,
+    metrics: ServerMetrics | None = None,
+) -> web.Application:
+    """The aiohttp application for ``backend`` with ``config``'s default topk, batching and limits.
+
+    Backend calls run one at a time in a single worker thread: backends need not be thread-safe, and a CPU-bound
+    search gains nothing from more threads under the GIL.
+    """
+    config = config if config is not None else RetrieverConfig()
+    metrics = metrics if metrics is not None else ServerMetrics()
+    backend_name = getattr(backend, "name", type(backend).__name__)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever-backend")
+    batcher = QueryBatcher(backend, executor, metrics, config.batch_window_ms / 1000.0, config.max_batch_queries)
+
+    async def answer(request: web.Request, body: bytes, req: RetrieveRequest) -> web.Response:
+        hits = await batcher.search(req.queries, req.topk, alive=lambda: not _disconnected(request))
+        return web.Response(text=_dumps(format_result(hits, req.return_scores)), content_type="application/json")
+
     async def on_startup(app: web.Application) -> None:
         batcher.start()
 
@@ -383,14 +488,74 @@ def create_app(
         await batcher.stop()
         executor.shutdown(wait=False, cancel_futures=True)
 
-    # aiohttp enforces the body cap itself for bodies without a Content-Length (chunked uploads).
-    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[json_errors])
-    app.router.add_post("/retrieve", retrieve)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", prometheus)
+    retrieve = _retrieve_handler(config, metrics, ToolGate(config, metrics), answer)
+    app = _app(config, metrics, retrieve, {"status": "ok", "backend": backend_name})
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+def create_proxy_app(
+    upstream: str,
+    config: RetrieverConfig | None = None,
+    metrics: ServerMetrics | None = None,
+    timeout_s: float = 60.0,
+) -> web.Application:
+    """The same ``/retrieve`` (caps, latency model, tool limits) in front of another Search-R1-compatible server:
+    each request's body goes to ``upstream``'s ``/retrieve`` unchanged and its reply comes back unchanged (status
+    and body). An upstream that cannot be reached or does not answer within ``timeout_s`` gives 502/504 with a
+    JSON error, which the rollout's client retries."""
+    config = config if config is not None else RetrieverConfig()
+    metrics = metrics if metrics is not None else ServerMetrics()
+    url = upstream_retrieve_url(upstream)
+    state: dict[str, aiohttp.ClientSession] = {}
+
+    async def answer(request: web.Request, body: bytes, req: RetrieveRequest) -> web.Response:
+        session = state["session"]
+        try:
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"},
+                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                reply, status = await resp.read(), resp.status
+                content_type = resp.content_type or "application/json"
+        except asyncio.TimeoutError:
+            metrics.errors.labels("upstream").inc()
+            return _error(504, f"upstream {url} did not answer within {timeout_s:g} s")
+        except aiohttp.ClientError as e:
+            metrics.errors.labels("upstream").inc()
+            return _error(502, f"upstream {url}: {type(e).__name__}: {e}")
+        return web.Response(body=reply, status=status, content_type=content_type)
+
+    async def on_startup(app: web.Application) -> None:
+        state["session"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), raise_for_status=False, trust_env=False
+        )
+
+    async def on_cleanup(app: web.Application) -> None:
+        await state["session"].close()
+
+    retrieve = _retrieve_handler(config, metrics, ToolGate(config, metrics), answer)
+    app = _app(config, metrics, retrieve, {"status": "ok", "backend": "proxy", "upstream": url})
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def upstream_retrieve_url(url: str) -> str:
+    """``http://host:port`` -> ``http://host:port/retrieve``; a URL with a path is used as given."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise InputError(f"--upstream must be an http:// or https:// URL with a host, got {url!r}")
+    return url.rstrip("/") + "/retrieve" if parts.path in ("", "/") else url
+
+
+def check_upstream(url: str, timeout_s: float = 5.0) -> None:
+    """Raise :class:`InputError` when nothing listens at the upstream's host and port (a TCP connect)."""
+    parts = urlsplit(upstream_retrieve_url(url))
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise InputError(f"upstream {url} is not reachable: {e.strerror or e}") from None
 
 
 # ------------------------------------------------------------------------------------------------------- running
@@ -445,7 +610,14 @@ async def serve(
     ``async with serve(backend, cfg) as url: ...`` then POST to ``f"{url}/retrieve"``.
     """
     config = config if config is not None else RetrieverConfig()
-    runner = web.AppRunner(create_app(backend, config, metrics), access_log=None)
+    async with serve_app(create_app(backend, config, metrics), config) as url:
+        yield url
+
+
+@asynccontextmanager
+async def serve_app(app: web.Application, config: RetrieverConfig) -> AsyncIterator[str]:
+    """Run ``app`` (``create_app``, ``create_proxy_app``) on ``config.host:config.port``; yields its URL."""
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048)
@@ -466,9 +638,12 @@ class ServerThread:
     """A server running its own event loop in a daemon thread; ``url``, ``stop()``, and a context manager."""
 
     def __init__(
-        self, backend: SearchBackend, config: RetrieverConfig | None = None, metrics: ServerMetrics | None = None
+        self, backend: SearchBackend | None, config: RetrieverConfig | None = None,
+        metrics: ServerMetrics | None = None, app: Callable[[], web.Application] | None = None,
     ):
+        """``app``: serve what it makes (``create_proxy_app``) instead of ``backend``."""
         self.url = ""
+        self._app = app
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -478,12 +653,18 @@ class ServerThread:
         )
 
     async def _main(
-        self, backend: SearchBackend, config: RetrieverConfig | None, metrics: ServerMetrics | None
+        self, backend: SearchBackend | None, config: RetrieverConfig | None, metrics: ServerMetrics | None
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            async with serve(backend, config, metrics) as url:
+            config = config if config is not None else RetrieverConfig()
+            if self._app is None:
+                assert backend is not None
+                app = create_app(backend, config, metrics)
+            else:
+                app = self._app()
+            async with serve_app(app, config) as url:
                 self.url = url
                 self._ready.set()
                 await self._stop.wait()
@@ -518,11 +699,12 @@ def start_server_in_thread(
     return ServerThread(backend, config, metrics).start()
 
 
-async def serve_until_signalled(backend: SearchBackend, config: RetrieverConfig, announce: str = "",
-                                parent_pid: int | None = None) -> None:
+async def serve_until_signalled(backend: SearchBackend | None, config: RetrieverConfig, announce: str = "",
+                                parent_pid: int | None = None, app: web.Application | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or, with ``parent_pid``, until that process is gone: a server a training started
     must not outlive it, even when the training is killed with SIGKILL and cleans nothing up); print
-    ``retriever listening on URL`` (flushed) once listening."""
+    ``retriever listening on URL`` (flushed) once listening. ``app`` instead of ``backend``: serve that app (the
+    proxy)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -534,7 +716,10 @@ async def serve_until_signalled(backend: SearchBackend, config: RetrieverConfig,
         logger.warning("retriever: parent process %d is gone; shutting down", parent_pid)
         stop.set()
 
-    async with serve(backend, config) as url:
+    if app is None:
+        assert backend is not None
+        app = create_app(backend, config)
+    async with serve_app(app, config) as url:
         print(f"retriever listening on {url} {announce}".rstrip(), flush=True)
         watcher = asyncio.create_task(watch_parent()) if parent_pid is not None else None
         await stop.wait()
@@ -651,6 +836,13 @@ class ServerProcess:
         self.stop()
 
 
+def slow_tool_args(c: RetrieverConfig) -> list[str]:
+    """The ``retriever serve|proxy`` flags of ``c``'s latency model and tool limits."""
+    t = c.tool_limits
+    return ["--latency", c.latency, "--latency-seed", str(c.latency_seed), "--latency-hang-s", str(c.latency_hang_s),
+            "--max-concurrent", str(t.max_concurrent), "--rate-per-s", str(t.rate_per_s), "--burst", str(t.burst)]
+
+
 def spawn_server(corpus: str | Path, config: RetrieverConfig | None = None, timeout_s: float = 120.0,
                  log_file: str | Path | None = None) -> ServerProcess:
     """Run ``python -m retriever serve`` for ``corpus`` with every setting of ``config``."""
@@ -662,6 +854,7 @@ def spawn_server(corpus: str | Path, config: RetrieverConfig | None = None, time
         "--max-queries-per-request", str(c.limits.max_queries_per_request),
         "--max-query-chars", str(c.limits.max_query_chars), "--max-topk", str(c.limits.max_topk),
         "--max-body-bytes", str(c.limits.max_body_bytes), "--exit-with-parent", str(os.getpid()),
+        *slow_tool_args(c),
     ]  # fmt: skip
     if c.index_dir is not None:
         argv += ["--index", c.index_dir]
