@@ -367,11 +367,12 @@ class ToolGate:
                 else:
                     self.metrics.added_latency.observe(d)
                 delay = max(delay, d)
-        if self.limiter.enabled:
-            waited, seconds = await self.limiter.acquire(n, alive)
-            if waited:
-                self.metrics.tool_limit_waits.inc(n)
-            self.metrics.tool_limit_wait.observe(seconds)
+        if self.limiter.enabled:  # a query that waits is counted when it starts waiting, whether it gets through
+            start = time.perf_counter()
+            try:
+                await self.limiter.acquire(n, alive, on_wait=lambda: self.metrics.tool_limit_waits.inc(n))
+            finally:
+                self.metrics.tool_limit_wait.observe(time.perf_counter() - start)
         self.metrics.tool_inflight.inc(n)
         try:
             if delay > 0:

@@ -127,13 +127,18 @@ class ToolLimiter:
         except asyncio.TimeoutError:
             pass
 
-    async def acquire(self, n: int = 1, alive: Callable[[], bool] = _always_alive) -> tuple[bool, float]:
-        """Wait until ``n`` queries may call the tool; ``(waited, seconds waited)``. Raises :class:`ClientGone`
-        when ``alive()`` turns false while waiting."""
+    async def acquire(
+        self, n: int = 1, alive: Callable[[], bool] = _always_alive, on_wait: Callable[[], None] | None = None
+    ) -> tuple[bool, float]:
+        """Wait until ``n`` queries may call the tool; ``(waited, seconds waited)``. ``on_wait()`` is called once
+        when the call has to wait (before waiting). Raises :class:`ClientGone` when ``alive()`` turns false while
+        waiting."""
         n = max(1, n)
         if not self._queue and self._fits(n) and (self.bucket is None or self.bucket.try_take(n) == 0.0):
             self.slots_used += self._slots(n)
             return False, 0.0
+        if on_wait is not None:
+            on_wait()
         start = self.clock()
         ticket = object()
         self._queue.append(ticket)

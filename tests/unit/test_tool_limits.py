@@ -159,3 +159,19 @@ def test_a_cancelled_waiter_leaves_the_queue():
         assert lim.waiting == 0 and lim.slots_used == 1
 
     asyncio.run(main())
+
+
+def test_on_wait_is_called_once_when_a_call_has_to_wait_even_if_it_then_leaves():
+    async def main():
+        lim = ToolLimiter(max_concurrent=1, poll_s=0.01)
+        calls: list[str] = []
+        await lim.acquire(1, on_wait=lambda: calls.append("first"))
+        gone = {"flag": False}
+        waiter = asyncio.create_task(lim.acquire(1, alive=lambda: not gone["flag"], on_wait=lambda: calls.append("w")))
+        await asyncio.sleep(0.05)
+        gone["flag"] = True
+        with pytest.raises(ClientGone):
+            await waiter
+        assert calls == ["w"]
+
+    asyncio.run(main())
