@@ -222,6 +222,11 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
             (rate("aar_search_retries_total"), "client retries"),
             (rate("retriever_requests_total", "code"), "server replies: HTTP {{code}}"),
         ]),
+        ("Slow tools: limits and latency model (retriever)", "short", [
+            ("sum(retriever_tool_inflight)", "queries in flight to the tool"),
+            (rate("retriever_tool_limit_waits_total"), "queries/s that waited at retriever.tool_limits"),
+            (rate("retriever_simulated_timeouts_total"), "calls/s the latency model made hang"),
+        ]),
     ]),
     ("Weight sync", [
         ("Publish seconds", "s", [

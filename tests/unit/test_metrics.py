@@ -430,7 +430,8 @@ def test_dashboard_json_is_built_from_the_script():
 def _retriever_names() -> set[str]:
     s = retriever_server
     return {s.REQUESTS + "_total", s.QUERIES + "_total", s.ERRORS + "_total", s.BATCH_QUERIES, s.REQUEST_LATENCY,
-            s.BACKEND_LATENCY}
+            s.BACKEND_LATENCY, s.TOOL_LIMIT_WAITS + "_total", s.TOOL_LIMIT_WAIT, s.TOOL_INFLIGHT, s.ADDED_LATENCY,
+            s.SIMULATED_TIMEOUTS + "_total"}
 
 
 def test_dashboard_queries_use_only_defined_metrics_and_cover_the_sections():
