@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import ray
 
 from actors.engine import create_engine
-from actors.rollout_worker import PromptSource, RolloutWorker
+from actors.rollout_worker import PromptSource, RolloutWorker, engine_silence_s
 from actors.search_client import SearchClient
 from async_agent_rl.config import Config
 from async_agent_rl.data.search_r1 import read_qa_files
@@ -89,7 +89,11 @@ class RolloutActor:
             actor_id=self.actor_id,
             seed=cfg.rollout.seed + self.index,
             mode=cfg.rollout.mode,
+            engine_silence_s=engine_silence_s(cfg),
         )
+        # the metered engine from now on: a weight update through it pauses the health probe's clock (the engine's
+        # requests wait for the update by design); everything else goes to the engine itself
+        self.engine = self.worker.engine
         return {"index": self.index, "examples": len(prompts.examples), "skipped_rows": report.skipped,
                 "skipped_too_long": len(too_long)}
 

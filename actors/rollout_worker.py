@@ -22,6 +22,13 @@ Where time idles, reported with the totals (``RolloutStats``): the worker wraps 
 ``MeteredEngine``, which counts the engine's requests in flight over time (``engine_idle_s``: the seconds with none,
 no episode generating), and reads the runner's ``EpisodeTimers`` (``episode_s``, ``tool_wait_s``: episode-seconds in
 all, and awaiting the search tool).
+
+The engine health probe: the ``MeteredEngine`` also knows when the engine last answered (a ``generate`` request
+finished, the oldest request in flight started, or a weight update let generation resume). A hung engine core leaves
+requests in flight that never finish while this event loop still answers ``stats()``; with ``engine_silence_s`` set,
+a periodic check in the worker's own loop stops the worker (``EngineSilent``) once requests have been in flight with
+none finishing for longer than that, so ``stats.done`` is set and supervision restarts the actor. A weight update's
+pause is no silence, nor is a worker with nothing in flight. The limit a run uses: ``engine_silence_s(cfg)``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import random
 import time
 import uuid
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, Awaitable, Callable, Iterator, Sequence
 
@@ -73,24 +81,89 @@ class PromptSource:
 
 class MeteredEngine:
     """An engine whose ``generate`` requests in flight are counted over time (``requests``, an ``Occupancy``): its
-    idle seconds are the time with no request in flight. Everything else is the wrapped engine's."""
+    idle seconds are the time with no request in flight. It also knows when the engine last answered (``silence()``,
+    the health probe's reading): a request finished (with its turn or with an error), the oldest request in flight
+    started, or a weight update (``update_weights``, ``update_weights_collective``, through this wrapper) ended;
+    while an update runs, generation is paused on purpose and nothing counts as silence. Everything else is the
+    wrapped engine's."""
 
-    def __init__(self, engine: Any, requests: Occupancy | None = None):
+    def __init__(self, engine: Any, requests: Occupancy | None = None, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.requests = requests or Occupancy()
+        self._clock = clock
+        self._answered = clock()  # the last answer (see above); silence counts from here
+        self._updating = 0  # weight updates under way
 
     @property
     def version(self) -> int:
         return self.engine.version
 
     async def generate(self, req: Any) -> Any:
+        if self.requests.in_flight == 0:  # the first request of a busy spell: silence counts from its start
+            self._answered = self._clock()
         with self.requests.held():
-            return await self.engine.generate(req)
+            try:
+                out = await self.engine.generate(req)
+            except Exception:  # an error is an answer (failures in a row count those); a cancellation is none
+                self._answered = self._clock()
+                raise
+            self._answered = self._clock()
+            return out
 
-    def __getattr__(self, name: str) -> Any:  # update_weights, close, ...: the engine's own
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """A weight update: the engine's requests wait for it by design; generation resumes when it ends."""
+        self._updating += 1
+        try:
+            yield
+        finally:
+            self._updating -= 1
+            self._answered = self._clock()
+
+    async def update_weights(self, *args: Any, **kwargs: Any) -> Any:
+        with self.paused():
+            return await self.engine.update_weights(*args, **kwargs)
+
+    async def update_weights_collective(self, *args: Any, **kwargs: Any) -> Any:
+        with self.paused():
+            return await self.engine.update_weights_collective(*args, **kwargs)
+
+    def silence(self) -> tuple[int, float]:
+        """``(requests in flight, seconds since the engine last answered)``; 0 s with none in flight or while a weight
+        update runs."""
+        n = self.requests.in_flight
+        if n == 0 or self._updating:
+            return n, 0.0
+        return n, max(0.0, self._clock() - self._answered)
+
+    def __getattr__(self, name: str) -> Any:  # close, join_weight_group, ...: the engine's own
         if name == "engine":
             raise AttributeError(name)
         return getattr(self.engine, name)
+
+
+# The engine health probe's limit a run derives (rollout.engine_silence_s: 0): several times the longest one turn
+# (rollout.max_tokens_per_turn tokens) takes at the slowest pace a healthy engine keeps per request in flight (the
+# pace driver.limits assumes per episode), at least ENGINE_SILENCE_FLOOR_S, and at most half the progress watchdog's
+# configured limit, so the actor is restarted before the run is declared stalled (with the watchdog's limit unset,
+# driver.limits.first_step_s keeps it at twice this and more).
+ENGINE_SILENCE_FLOOR_S = 180.0
+ENGINE_SILENCE_TURNS = 10
+SLOWEST_REQUEST_TOKENS_PER_S = 10.0
+ENGINE_PROBE_EVERY_S = 5.0  # the probe looks this often (or at a tenth of a smaller limit)
+
+
+def engine_silence_s(cfg: Any) -> float:
+    """The health probe's limit for config ``cfg``: ``rollout.engine_silence_s``, or with 0 the derived one above
+    (``max(ENGINE_SILENCE_FLOOR_S, ENGINE_SILENCE_TURNS x max_tokens_per_turn / SLOWEST_REQUEST_TOKENS_PER_S)``, at
+    most ``cluster.progress_timeout_s / 2`` when that is set and not 0)."""
+    r = cfg.rollout
+    if r.engine_silence_s > 0:
+        return float(r.engine_silence_s)
+    turn_s = r.max_tokens_per_turn / SLOWEST_REQUEST_TOKENS_PER_S
+    derived = max(ENGINE_SILENCE_FLOOR_S, ENGINE_SILENCE_TURNS * turn_s)
+    watchdog = cfg.cluster.progress_timeout_s
+    return min(derived, watchdog / 2) if watchdog else derived
 
 
 async def admit_all(n: int, version: int, group_id: str) -> int:
@@ -155,9 +228,18 @@ class RolloutFailure(RuntimeError):
     failed every episode for a long run of episodes in a row (cause chained)."""
 
 
+class EngineSilent(RuntimeError):
+    """The engine's requests have been in flight with none finishing for longer than the health probe's limit
+    (``engine_silence_s``): a hung engine core, which fails no episode and would hold them for ever."""
+
+
 class EngineFailing(RuntimeError):
     """``failures_in_a_row`` episodes failed one after the other with no episode finishing between them: the engine
     is dead or not answering (a killed engine core process fails every request at once)."""
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f}" if s >= 10 else f"{s:.2g}"
 
 
 def failures_in_a_row_limit(max_concurrent: int) -> int:
@@ -184,6 +266,8 @@ class RolloutWorker:
         push_retry_s: float = 0.02,
         admission_poll_s: float = 0.05,
         mode: str = "async",
+        engine_silence_s: float = 0.0,
+        cancel_grace_s: float = 10.0,
     ):
         if mode not in ("async", "sync"):
             raise ValueError(f"mode must be 'async' or 'sync', not {mode!r}")
@@ -204,7 +288,11 @@ class RolloutWorker:
         self.stats = WorkerStats()
         if not isinstance(runner.engine, MeteredEngine):  # the engine's idle time, counted from the worker's start
             runner.engine = MeteredEngine(runner.engine, Occupancy(start=self.stats.started_at))
+        self.engine: MeteredEngine = runner.engine
         self.stats.engine_requests = runner.engine.requests
+        # the health probe's limit (0: no probe): requests in flight with none finished for longer stop the worker
+        self.engine_silence_s = engine_silence_s
+        self.cancel_grace_s = cancel_grace_s  # after a failure, how long cancelled episode tasks are waited for
         self.stats.timers = getattr(runner, "timers", None)
         self._slots = asyncio.Semaphore(max_concurrent)
         self._outbox: asyncio.Queue[Trajectory | None] = asyncio.Queue()
@@ -227,11 +315,15 @@ class RolloutWorker:
         A failure of the background push (``sink``) or of an episode task outside its episode (reporting a lost
         episode to ``on_lost``) stops the worker at once: no new group starts, the episodes in flight are cancelled
         (they have nowhere to go) and ``run`` raises ``RolloutFailure`` naming it, the cause chained. Before, the
-        flush task died alone and the worker generated on forever; the error surfaced only at ``stop()``."""
+        flush task died alone and the worker generated on forever; the error surfaced only at ``stop()``. So does an
+        engine whose requests stay in flight with none finishing for ``engine_silence_s`` (the health probe,
+        ``_probe_engine``). The cancelled episodes are waited for ``cancel_grace_s`` at most (a hung engine may not
+        even let its requests be aborted)."""
         flusher = asyncio.create_task(self._flush_loop())
         flusher.add_done_callback(lambda t: self._task_ended("pushing finished episodes", t))
         body = asyncio.create_task(self._generate(num_groups))
         failed = asyncio.create_task(self._failed.wait())
+        probe = asyncio.create_task(self._probe_engine()) if self.engine_silence_s > 0 else None
         try:
             done, _ = await asyncio.wait({body, failed}, return_when=asyncio.FIRST_COMPLETED)
             if body in done:
@@ -240,10 +332,16 @@ class RolloutWorker:
             failed.cancel()
             if not body.done():  # a failure: stop generating now
                 body.cancel()
-            in_flight = [body, *self._tasks]
+            in_flight = [body, *([probe] if probe else []), *self._tasks]
             for t in in_flight:
                 t.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
+            ended, stuck = await asyncio.wait(in_flight, timeout=self.cancel_grace_s)
+            for t in ended:  # retrieved (gather(return_exceptions=True) did that before)
+                if not t.cancelled():
+                    t.exception()
+            if stuck:
+                log.warning("rollout worker %s: %d task(s) did not end within %g s of being cancelled (a hung "
+                            "engine?); left behind", self.actor_id, len(stuck), self.cancel_grace_s)
             await self._outbox.put(None)
             await asyncio.wait({flusher})  # its failure, if any, is self.failure
         if self.failure is not None:
@@ -278,6 +376,23 @@ class RolloutWorker:
                   exc_info=e)
         self._stop.set()
         self._failed.set()
+
+    async def _probe_engine(self) -> None:
+        """The engine health probe: every ``ENGINE_PROBE_EVERY_S`` (a tenth of a smaller limit) it reads the
+        engine's silence; requests in flight with none finished for longer than ``engine_silence_s`` (a weight
+        update's pause excluded) stop the worker with ``EngineSilent`` (cancelled when ``run`` ends)."""
+        every = min(ENGINE_PROBE_EVERY_S, self.engine_silence_s / 10)
+        while self.failure is None:
+            await asyncio.sleep(every)
+            n, silent = self.engine.silence()
+            if silent > self.engine_silence_s and self.failure is None:
+                self.failure = ("the engine", EngineSilent(
+                    f"engine stopped answering: {n} request(s) in flight, none finished for {_seconds(silent)} s "
+                    f"(limit {self.engine_silence_s:g} s, rollout.engine_silence_s)"))
+                log.error("rollout worker %s: %d engine request(s) in flight, none finished for %s s; the engine is "
+                          "hung", self.actor_id, n, _seconds(silent))
+                self._stop.set()
+                self._failed.set()
 
     async def _run_waves(self, num_groups: int | None) -> None:
         """``mode="sync"``: admit as many groups as the buffer grants (up to ``max_concurrent`` episodes), run them

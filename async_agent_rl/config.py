@@ -259,6 +259,11 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1)
     enforce_eager: bool = True
     multiprocess_engine: bool = Field(False, description="vLLM V1 multiprocessing (extra EngineCore process)")
+    engine_silence_s: float = Field(
+        0.0, ge=0, description="engine health probe: generate requests in flight with none finished this long (a "
+        "weight update's pause excluded) stop the actor's worker, and supervision restarts the actor; 0: derived, "
+        "max(180, 10 x max_tokens_per_turn / 10 tokens/s), at most half of cluster.progress_timeout_s when that is "
+        "set; a value set here must be below cluster.progress_timeout_s")
     seed: int = 0
 
     @field_validator("top_p", "top_k")
@@ -550,6 +555,12 @@ class Config(_Section):
                              "engine has no workers to join the broadcast group); use object_store")
         if self.weight_sync.method == "collective" and self.weight_sync.backend == "nccl" and self.run.device == "cpu":
             raise ValueError("weight_sync.backend=nccl needs GPUs (run.device=cpu); use gloo or auto")
+        silence, watchdog = self.rollout.engine_silence_s, self.cluster.progress_timeout_s
+        if silence and watchdog and silence >= watchdog:
+            raise ValueError(
+                f"rollout.engine_silence_s ({silence:g}) must be below cluster.progress_timeout_s ({watchdog:g}): a "
+                "hung engine's actor must be restarted before the run is declared stalled (0 derives a limit that is)"
+            )
         if self.buffer.group_filter != "none" and self.rollout.group_size < 2:
             raise ValueError(
                 f"buffer.group_filter={self.buffer.group_filter!r} needs rollout.group_size >= 2 (got "

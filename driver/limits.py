@@ -13,6 +13,7 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import GetTimeoutError
 
+from actors.rollout_worker import engine_silence_s
 from async_agent_rl.config import Config
 from async_agent_rl.errors import InputError, error_line
 
@@ -44,6 +45,7 @@ def ask(ref: Any, limit: float, what: str, key: str = "cluster.actor_timeout_s")
 
 PROGRESS_FLOOR_S = 600.0  # cluster.progress_timeout_s unset: max(this, PROGRESS_STEPS x the slowest step so far)
 PROGRESS_STEPS = 10
+ENGINE_SILENCES = 2  # the watchdog's limit unset: at least this many times the engine health probe's limit
 REPORT_TIMEOUT_S = 10.0  # a component that does not answer a stall report's question within this is "not answering"
 
 # The slowest pace a healthy run is assumed to keep, for the limits a config implies before any step has been timed:
@@ -64,10 +66,13 @@ def generation_s(cfg: Config, episodes: int, actors: int | None = None) -> float
 def first_step_s(cfg: Config) -> float:
     """How long the first learner step may take with nothing timed yet: its batch generated and trained on at the
     slowest pace assumed, at least ``PROGRESS_FLOOR_S``. The watchdog's floor, so a large config's first step (the
-    GPU config: 2,560 trajectories of up to 4,096 response tokens, a 3B model) is never reported as a stall."""
+    GPU config: 2,560 trajectories of up to 4,096 response tokens, a 3B model) is never reported as a stall. Also at
+    least ``ENGINE_SILENCES`` x the engine health probe's limit (``engine_silence_s``): a hung engine's actor is
+    restarted (which starts the watchdog's clock again) before the run could be declared stalled."""
     tokens = cfg.learner.batch_size * (cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     learning = tokens / (SLOWEST_LEARNER_TOKENS_PER_S * cfg.learner.num_ranks)
-    return max(PROGRESS_FLOOR_S, generation_s(cfg, cfg.learner.batch_size) + learning)
+    return max(PROGRESS_FLOOR_S, generation_s(cfg, cfg.learner.batch_size) + learning,
+               ENGINE_SILENCES * engine_silence_s(cfg))
 
 
 def test_questions(files: list[str]) -> int:
