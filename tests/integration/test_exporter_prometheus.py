@@ -25,7 +25,7 @@ from actors.search_client import SearchClient
 from async_agent_rl.config import BufferConfig, MonitoringConfig, RetrieverConfig, SearchClientConfig
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from async_agent_rl.staleness import AdmissionState
-from async_agent_rl.stats import LearnerStats, PublishStats, RolloutStats, WeightUpdate
+from async_agent_rl.stats import LearnerStats, PublishStats, RolloutStats, WeightUpdate, idle_stats
 from buffer.replay_buffer import ReplayBuffer
 from driver.console import LearningSignals
 from monitoring import metrics as M
@@ -212,6 +212,8 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
                               "turns_per_question": 2.0}}, split="heldout", step=0)
     version = 0
     signals = LearningSignals()
+    previous: dict[int, RolloutStats] = {}  # each worker's stats at the last learner step (the driver's idle_stats)
+    recorded_at = time.monotonic()
     async with SearchClient(search_url, SearchClientConfig(timeout_s=5.0)) as client:
         for tick in range(int(seconds / 0.25)):
             await client.search_many([f"title {tick % 7}", "text about passages"])
@@ -223,8 +225,10 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
                 for member in range(4):  # finished episodes of both question kinds, as the episode loop adds them
                     ws.add_finished(finished_episode(tick, i, member))
                 rollout.append(ws.message(index=i, version=version, search=client.stats(), ready=True,
-                                          weight_updates=[WeightUpdate(version, seconds=0.05, pause_seconds=0.01)]))
-            learner = publish = None
+                                          weight_updates=[WeightUpdate(version, seconds=0.05, pause_seconds=0.01)],
+                                          engine_idle_s=0.05 * (tick + 1), episode_s=2.0 * (tick + 1),
+                                          tool_wait_s=0.1 * (tick + 1)))  # as MeteredEngine and EpisodeTimers count
+            learner = publish = idle = None
             adm.try_start(2, version, f"g{tick}")
             buf.push([trajectory(f"g{tick}", 0, version), trajectory(f"g{tick}", 1, version)])
             adm.on_finished(f"g{tick}", 2, accepted=True)
@@ -238,8 +242,11 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
                                        tokens_per_s=800.0)
                 publish = PublishStats(version=version, method="object_store", seconds=0.08, put_seconds=0.02,
                                        bytes=10**6, num_actors=2)
+                now = time.monotonic()
+                idle = idle_stats(0.1, now - recorded_at, rollout, previous)
+                previous, recorded_at = {r.index: r for r in rollout}, now
             buffer = dataclasses.replace(buf.stats(), admission=adm.stats())
-            mon.observe(rollout=rollout, buffer=buffer, learner=learner, publish=publish)
+            mon.observe(rollout=rollout, buffer=buffer, learner=learner, publish=publish, idle=idle)
             if learner:  # the driver's per-step learning signals, from the same totals
                 mon.learning.update(signals.update(rollout, buffer, learner))
             await asyncio.sleep(0.25)
