@@ -127,8 +127,11 @@ TIME_COLUMNS = [("RL s", "rl_s"), ("RL steps", "rl_steps"), ("SFT-only s", "sft_
 
 
 def learning_table(rows: Sequence[dict[str, Any]], summary: dict[str, Any], kind: str) -> str:
-    """One kind's table: a line per seed and the mean ± s.e. over seeds; the ``all`` table has the times too."""
+    """One kind's table: a line per seed and the mean ± s.e. over seeds; the ``all`` table has the times too. The
+    SFT-only columns are left out when no row has an SFT-only arm (``--rl-only``)."""
     cols = LEARNING_COLUMNS + (TIME_COLUMNS if kind == "all" else [])
+    if not any(r.get("sft_steps") or r["sft_s"] == r["sft_s"] for r in rows):  # NaN != NaN: no SFT-only arm
+        cols = [c for c in cols if "sft" not in c[1]]
     fmts = {key: "{:+.3f}" if key.startswith(("gain", "rl_minus")) else "{:.2f}" if key.startswith("searches")
             else "{:.0f}" if key in dict(TIME_COLUMNS).values() else "{:.3f}" for _, key in cols}  # fmt: skip
     head = ["seed", "n", *(c[0] for c in cols)]

@@ -222,3 +222,5 @@ def test_a_learning_row_without_an_sft_only_arm_has_empty_sft_columns(tmp_path):
     assert row["kinds"]["all"]["em_sft"] != row["kinds"]["all"]["em_sft"]  # NaN: no SFT-only arm
     summary = learning_summary([row])
     assert summary["kinds"]["all"]["em_sft"]["n"] == 0 and summary["kinds"]["all"]["em_rl"]["n"] == 1
+    report = write_learning_report([row], [], tmp_path, "async-agent-rl bench learning --rl-only").read_text()
+    assert "| EM RL |" in report and "SFT-only" not in report.split("## all questions")[1]  # no empty columns
