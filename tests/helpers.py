@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import importlib.util
 import json
 import os
@@ -29,6 +31,23 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+async def run_actor_shell_until_done(worker, index: int, polls: int = 200, poll_s: float = 0.05):
+    """The Ray shell of a rollout actor without Ray, an engine or a buffer (``RolloutActor`` on ``worker``): start it
+    and poll ``stats()`` until the worker is done, as ``Fleet.supervise`` reads it; returns ``(stats, error())``."""
+    from actors.rollout_actor import RolloutActor
+
+    actor = RolloutActor.__new__(RolloutActor)
+    actor.index, actor.initial_version, actor._updates, actor._task = index, 0, [], None
+    actor.worker = worker
+    assert actor.error() is None
+    await actor.start()
+    for _ in range(polls):
+        if actor.stats().done:
+            break
+        await asyncio.sleep(poll_s)
+    return actor.stats(), actor.error()
 
 
 def traj(gid: str, member: int = 0, version: int = 0, tokens: int = 4, priority: float | None = None,

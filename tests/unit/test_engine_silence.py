@@ -24,7 +24,7 @@ from async_agent_rl.config import ConfigError, load_config
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.records import Trajectory
 from driver.limits import SLOWEST_EPISODE_TOKENS_PER_S, ProgressWatchdog, first_step_s
-from tests.helpers import traj
+from tests.helpers import Clock, run_actor_shell_until_done, traj
 
 pytestmark = pytest.mark.unit
 
@@ -36,14 +36,6 @@ LIMIT = 0.5  # the probe's limit in these tests, seconds
 def forever():
     while True:
         yield from EXAMPLES
-
-
-class Clock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class OneTurnRunner:
@@ -159,18 +151,7 @@ def test_a_hung_engine_that_does_not_let_its_requests_be_aborted_still_stops_the
 def test_the_actor_reports_done_and_the_engines_silence_for_supervision():
     """What ``Fleet.supervise`` reads: ``stats().done`` and ``error()`` (it then kills and restarts the actor)."""
 
-    async def go():
-        actor = RolloutActor.__new__(RolloutActor)  # the shell's state without an engine or a buffer
-        actor.index, actor.initial_version, actor._updates, actor._task = 3, 0, [], None
-        actor.worker = worker(HungEngine())
-        await actor.start()
-        for _ in range(200):
-            if actor.stats().done:
-                break
-            await asyncio.sleep(0.05)
-        return actor.stats(), actor.error()
-
-    stats, error = asyncio.run(go())
+    stats, error = asyncio.run(run_actor_shell_until_done(worker(HungEngine()), index=3))
     assert stats.done and stats.ready and stats.running == 4
     assert error.startswith("RolloutFailure: rollout worker actor3: the engine failed: EngineSilent: engine stopped "
                             "answering: 4 request(s) in flight"), error
@@ -243,29 +224,29 @@ def test_silence_counts_from_the_last_answer_while_requests_are_in_flight():
             return await fut
 
         async def update_weights(self, version, weights, mode="pause"):
-            clock.t += 1000  # a long pause
+            clock.now += 1000  # a long pause
             return version
 
     async def go():
         m = MeteredEngine(Gated(), clock=clock)
         assert m.silence() == (0, 0.0)
-        clock.t = 200.0  # idle for 100 s: no silence
+        clock.now = 200.0  # idle for 100 s: no silence
         assert m.silence() == (0, 0.0)
         a = asyncio.create_task(m.generate(1))
         await asyncio.sleep(0)
-        clock.t = 210.0
+        clock.now = 210.0
         assert m.silence() == (1, 10.0)  # from the start of the oldest request in flight
         b = asyncio.create_task(m.generate(2))
         await asyncio.sleep(0)
-        clock.t = 215.0
+        clock.now = 215.0
         assert m.silence() == (2, 15.0)
         gates[0].set_result("a")
         assert await a == "a"
-        clock.t = 217.0
+        clock.now = 217.0
         assert m.silence() == (1, 2.0)  # from the last request that finished
         await m.update_weights(1, {})
         assert m.silence() == (1, 0.0)  # the update's pause is no silence, counted from the resume
-        clock.t += 3
+        clock.now += 3
         assert m.silence() == (1, 3.0)
         gates[1].set_exception(RuntimeError("bad request"))
         with pytest.raises(RuntimeError):
@@ -273,7 +254,7 @@ def test_silence_counts_from_the_last_answer_while_requests_are_in_flight():
         assert m.silence() == (0, 0.0)
         c = asyncio.create_task(m.generate(3))
         await asyncio.sleep(0)
-        clock.t += 50
+        clock.now += 50
         d = asyncio.create_task(m.generate(4))
         await asyncio.sleep(0)
         d.cancel()  # a request its caller gave up on is no answer
@@ -286,15 +267,15 @@ def test_silence_counts_from_the_last_answer_while_requests_are_in_flight():
 
 
 def test_paused_is_no_silence_while_it_lasts():
-    clock = Clock()
+    clock = Clock(0.0)
     m = MeteredEngine(SimpleNamespace(version=0), clock=clock)
     m.requests.enter()
-    clock.t = 5.0
+    clock.now = 5.0
     assert m.silence() == (1, 5.0)
     with m.paused():
-        clock.t = 500.0
+        clock.now = 500.0
         assert m.silence() == (1, 0.0)
-    clock.t = 501.0
+    clock.now = 501.0
     assert m.silence() == (1, 1.0)
 
 

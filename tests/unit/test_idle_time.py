@@ -15,16 +15,9 @@ from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.search import Hit
 from async_agent_rl.stats import IdleStats, Occupancy, RolloutStats, idle_stats
 from monitoring import metrics as M
+from tests.helpers import Clock
 
 pytestmark = pytest.mark.unit
-
-
-class Clock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class CharTokenizer:
@@ -44,25 +37,25 @@ EXAMPLE = QAExample(id="q0", question="who?", gold_answers=["x"])
 
 # ------------------------------------------------------------------------------------------------- occupancy
 def test_occupancy_integrates_the_count_in_flight_and_the_time_with_none():
-    clock = Clock()
+    clock = Clock(0.0)
     occ = Occupancy(clock)
-    clock.t = 1.0
+    clock.now = 1.0
     occ.enter()
-    clock.t = 2.0
+    clock.now = 2.0
     occ.enter()
-    clock.t = 4.0
+    clock.now = 4.0
     occ.leave()
     assert occ.totals() == (1.0 + 2 * 2.0, 1.0)  # read mid-flight: the interval in progress counts
-    clock.t = 5.0
+    clock.now = 5.0
     occ.leave()
-    clock.t = 8.0
+    clock.now = 8.0
     assert occ.totals() == (6.0, 1.0 + 3.0)
     assert occ.in_flight == 0
     with pytest.raises(RuntimeError, match="without a matching enter"):
         occ.leave()
     with pytest.raises(ValueError):
         with occ.held():
-            clock.t = 9.5
+            clock.now = 9.5
             raise ValueError("the block failed")
     assert occ.in_flight == 0 and occ.totals() == (7.5, 4.0)  # left however the block ended
 
@@ -93,7 +86,7 @@ async def _settle() -> None:
 
 def test_the_metered_engine_idles_exactly_while_no_request_is_in_flight():
     """Scripted requests: A in flight 2..5, B 3..6, C 10..12, read at 16: idle 2 + 4 + 4 = 10 of 16 s."""
-    clock = Clock()
+    clock = Clock(0.0)
     inner = GatedEngine()
     engine = MeteredEngine(inner, Occupancy(clock))
 
@@ -101,12 +94,12 @@ def test_the_metered_engine_idles_exactly_while_no_request_is_in_flight():
         tasks = {}
 
         async def start(name: str, t: float) -> None:
-            clock.t = t
+            clock.now = t
             tasks[name] = asyncio.create_task(engine.generate(TurnRequest([1], 4, stop=(name,))))
             await _settle()
 
         async def finish(name: str, t: float) -> None:
-            clock.t = t
+            clock.now = t
             inner.gates[name].set()
             await tasks[name]
 
@@ -120,9 +113,9 @@ def test_the_metered_engine_idles_exactly_while_no_request_is_in_flight():
         assert await engine.update_weights(4, {}) == ("updated", 4)  # the engine's own methods pass through
 
     asyncio.run(go())
-    clock.t = 16.0
+    clock.now = 16.0
     busy, idle = engine.requests.totals()
-    assert idle == 10.0 and idle / clock.t == 0.625
+    assert idle == 10.0 and idle / clock.now == 0.625
     assert busy == 3.0 + 3.0 + 2.0  # request-seconds
     assert engine.version == 3
 
@@ -138,7 +131,7 @@ class TurnEngine:
         self.clock, self.searches, self.turn_s = clock, searches, turn_s
 
     async def generate(self, req: TurnRequest) -> TurnOutput:
-        self.clock.t += self.turn_s
+        self.clock.now += self.turn_s
         done = "".join(map(chr, req.prompt_ids)).count(self.SEARCH)  # searches this episode made so far
         text = "<answer> x </answer>" if done >= self.searches else self.SEARCH
         ids = [ord(c) for c in text]
@@ -154,7 +147,7 @@ class SlowSearch:
     async def search(self, query: str):
         s = self.seconds[self.calls]
         self.calls += 1
-        self.clock.t += abs(s)
+        self.clock.now += abs(s)
         if s < 0:
             raise SearchError("timeout", "too slow")
         return [Hit(id="d0", contents="\"x\"\nx is the answer", score=1.0)]
@@ -162,13 +155,13 @@ class SlowSearch:
 
 def test_an_episode_counts_its_time_awaiting_the_search_tool():
     """Two searches of 2.5 s and (failing) 1.5 s between three 1 s turns: 4 s of tool wait in a 7 s episode."""
-    clock = Clock()
+    clock = Clock(0.0)
     timers = EpisodeTimers(clock)
     search = SlowSearch(clock, [2.5, -1.5])
     runner = EpisodeRunner(TurnEngine(clock), search, CharTokenizer(), SETTINGS, timers)
     traj = asyncio.run(runner.run(EXAMPLE))
     assert traj.meta.num_searches == 2 and traj.meta.num_search_errors == 1 and traj.meta.finish_reason == "answer"
-    assert clock.t == 7.0
+    assert clock.now == 7.0
     assert timers.totals() == (7.0, 4.0)  # (episode-seconds, tool-wait seconds)
     # a runner made from it (the lockstep baseline's) shares its timers
     again = EpisodeRunner(TurnEngine(clock, searches=1), SlowSearch(clock, [3.0]), CharTokenizer(), SETTINGS,
@@ -180,7 +173,7 @@ def test_an_episode_counts_its_time_awaiting_the_search_tool():
 def test_the_worker_reports_engine_idle_episode_and_tool_wait_seconds():
     """A real worker, one episode at a time (2 turns of 1 s around a 2 s search each): its RolloutStats carry the
     engine's idle seconds (the searches and the time after), the episode-seconds and the tool wait."""
-    clock = Clock()
+    clock = Clock(0.0)
     runner = EpisodeRunner(TurnEngine(clock, searches=1), SlowSearch(clock, [2.0] * 3), CharTokenizer(), SETTINGS,
                            EpisodeTimers(clock))
     runner.engine = MeteredEngine(runner.engine, Occupancy(clock))  # the worker keeps an engine metered already
@@ -190,7 +183,7 @@ def test_the_worker_reports_engine_idle_episode_and_tool_wait_seconds():
 
     worker = RolloutWorker(runner, iter([EXAMPLE] * 3), sink, group_size=1, max_concurrent=1, flush_after_s=0.01)
     asyncio.run(worker.run(num_groups=3))
-    clock.t += 5.0  # idle after the last episode
+    clock.now += 5.0  # idle after the last episode
     stats = worker.stats.message(index=0)
     assert stats.finished == 3
     assert stats.episode_s == 3 * 4.0
@@ -199,7 +192,7 @@ def test_the_worker_reports_engine_idle_episode_and_tool_wait_seconds():
 
 
 def test_a_worker_meters_a_plain_engine_itself():
-    clock = Clock()
+    clock = Clock(0.0)
     runner = EpisodeRunner(TurnEngine(clock, searches=0), SlowSearch(clock, []), CharTokenizer(), SETTINGS)
 
     async def sink(batch):

@@ -11,11 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.rollout_actor import RolloutActor
 from actors.rollout_worker import RolloutFailure, RolloutWorker
 from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.records import Trajectory
-from tests.helpers import traj
+from tests.helpers import run_actor_shell_until_done, traj
 
 pytestmark = pytest.mark.unit
 
@@ -101,19 +100,7 @@ def test_a_worker_that_does_not_fail_runs_until_stopped():
 def test_the_actor_reports_done_and_the_cause():
     """The Ray shell without Ray: what ``supervise()`` reads after the worker failed."""
 
-    async def go():
-        actor = RolloutActor.__new__(RolloutActor)  # the shell's state without an engine or a buffer
-        actor.index, actor.initial_version, actor._updates, actor._task = 7, 0, [], None
-        actor.worker = worker(QuickRunner())
-        assert actor.error() is None
-        await actor.start()
-        for _ in range(200):
-            if actor.stats().done:
-                break
-            await asyncio.sleep(0.05)
-        return actor.stats(), actor.error()
-
-    stats, error = asyncio.run(go())
+    stats, error = asyncio.run(run_actor_shell_until_done(worker(QuickRunner()), index=7))
     assert stats.done and stats.ready
     assert error.startswith("RolloutFailure: rollout worker actor7: pushing finished episodes failed: ConnectionError")
 
