@@ -183,3 +183,22 @@ def test_sft_is_deterministic_and_keeps_entity_embeddings_frozen(setup, tmp_path
     assert torch.equal(after[frozen], before[frozen])
     tag = tok.convert_tokens_to_ids("<search>")
     assert tag not in frozen and not torch.equal(after[tag], before[tag])
+
+
+def test_the_warm_start_computes_the_same_weights_at_one_and_at_two_threads(setup, tmp_path):
+    """``ThreadTuner`` picks torch's thread count from step times (a timing-dependent choice): it may change only
+    how fast the warm start runs, never what it computes, or two machines (or two runs on one loaded machine) get
+    different warm starts from one config. Both stages (pretraining and SFT), pinned at 1 and at 2 threads."""
+    from warm_start.sft import ThreadTuner
+
+    cfg, _, _, demos, _, _ = setup
+    short = cfg.model_copy(deep=True)
+    short.sft.epochs, short.sft.pretrain_questions = 1, True  # the shipped pretraining, reading exercises included
+    kw = dict(demos=demos[:48], pretrain_steps=12, log_every=0, progress=False)
+    before = torch.get_num_threads()
+    one = run_sft(short, cfg.model.path, tmp_path / "t1", threads=ThreadTuner([1]), **kw)
+    two = run_sft(short, cfg.model.path, tmp_path / "t2", threads=ThreadTuner([2]), **kw)
+    assert torch.get_num_threads() == before  # restored
+    assert one["threads"] != two["threads"], (one["threads"], two["threads"])  # really ran at 1 and at 2
+    w1, w2 = _model(tmp_path / "t1").state_dict(), _model(tmp_path / "t2").state_dict()
+    assert [k for k in w1 if not torch.equal(w1[k], w2[k])] == []
