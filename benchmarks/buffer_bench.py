@@ -9,6 +9,10 @@ Phases (default buffer capacity: 4096 trajectories / 8M tokens, so about 3,900 o
 Producers call ``try_start`` before each push, as rollout actors do. Run from the repo root::
 
     python benchmarks/buffer_bench.py
+    python benchmarks/buffer_bench.py --out benchmarks/results/buffer/   # also write the run's files there
+
+``--out DIR`` also writes DIR/result.json (the printed numbers), DIR/output.txt (what was printed) and DIR/run.json
+(command, commit, versions, cores, load average): ``benchmarks/record.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ import ray
 from async_agent_rl.config import build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from buffer.actor import create_buffer_actor, push_all
+
+if __package__:  # imported as benchmarks.buffer_bench
+    from benchmarks import record
+else:  # run as python benchmarks/buffer_bench.py: this folder is sys.path[0]
+    import record
 
 
 def template(tokens: int, seed: int) -> dict:
@@ -94,7 +103,7 @@ def drain(buffer, batch: int, total: int, patience_s: float = 30.0) -> int:
     return got
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048, help="prompt + response tokens per trajectory")
     ap.add_argument("--producers", type=int, default=2)
@@ -104,7 +113,14 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=5)
     ap.add_argument("--steady", type=int, default=20000, help="trajectories through a full buffer")
     ap.add_argument("--repeats", type=int, default=20, help="learner steps timed in the step phase")
-    args = ap.parse_args()
+    record.add_out_argument(ap)
+    args = ap.parse_args(argv)
+    with record.Recording(args.out, __file__, argv, vars(args)) as rec:
+        rec.result = bench(args)
+
+
+def bench(args: argparse.Namespace) -> dict:
+    """The four phases; prints each, returns the printed numbers."""
     args.push_batch -= args.push_batch % args.group_size  # admission grants whole groups
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -125,6 +141,7 @@ def main() -> None:
     fit -= fit % unit
     args.steady -= args.steady % unit
     print(f"trajectory: {args.tokens} tokens, {per_traj / 1024:.1f} KiB on the wire; buffer holds {fit}")
+    result: dict = {"tokens": args.tokens, "wire_bytes": per_traj, "buffer_holds": fit}
 
     def timed_push(n_each: int, tag: str, consume: int = 0) -> tuple[float, int]:
         ray.get([p.make.remote(f"{tag}{i}", n_each, args.group_size) for i, p in enumerate(producers)])
@@ -140,11 +157,15 @@ def main() -> None:
     pushed = n_each * args.producers
     print(f"push    {pushed} trajectories in {wall:.3f} s = {pushed / wall:,.0f} traj/s "
           f"({pushed * per_traj / wall / 2**20:,.0f} MiB/s), {args.push_batch} per call, {args.producers} producers")
+    result["push"] = {"trajectories": pushed, "seconds": wall, "traj_per_s": pushed / wall,
+                      "mib_per_s": pushed * per_traj / wall / 2**20, "per_call": args.push_batch,
+                      "producers": args.producers}
 
     t0 = time.perf_counter()
     got = drain(buffer, args.sample_batch, pushed)
     wall = time.perf_counter() - t0
     print(f"sample  {got} trajectories in {wall:.3f} s = {got / wall:,.0f} traj/s, {args.sample_batch} per call")
+    result["sample"] = {"trajectories": got, "seconds": wall, "traj_per_s": got / wall, "per_call": args.sample_batch}
 
     ray.get([p.make.remote("warm", fit // args.producers, args.group_size) for p in producers])
     ray.get([p.run.remote(buffer, args.push_batch) for p in producers])  # refill: the steady phase runs near capacity
@@ -153,6 +174,7 @@ def main() -> None:
     moved = n_each * args.producers
     print(f"steady  {moved} trajectories pushed and sampled through a nearly full buffer in {wall:.3f} s = "
           f"{moved / wall:,.0f} traj/s ({waits} backpressure waits)")
+    result["steady"] = {"trajectories": moved, "seconds": wall, "traj_per_s": moved / wall, "backpressure_waits": waits}
 
     times = []
     for _ in range(args.repeats):
@@ -161,10 +183,15 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     print(f"step    sample_batch({args.learner_batch}) -> TrainBatch {tuple(batch.input_ids.shape)}: "
           f"median {statistics.median(times) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms over {args.repeats}")
+    result["step"] = {"learner_batch": args.learner_batch, "shape": list(batch.input_ids.shape),
+                      "median_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3, "repeats": args.repeats}
     stats = ray.get(buffer.stats.remote())
     print(f"stats   pushed={stats.pushed} sampled={stats.sampled} size={stats.size} "
           f"evicted={stats.evicted_total} push_refused={stats.push_refused}")
+    result["stats"] = {"pushed": stats.pushed, "sampled": stats.sampled, "size": stats.size,
+                       "evicted": stats.evicted_total, "push_refused": stats.push_refused}
     ray.shutdown()
+    return result
 
 
 if __name__ == "__main__":

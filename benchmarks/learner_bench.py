@@ -2,6 +2,7 @@
 
     python benchmarks/learner_bench.py                              # ~2-3 minutes on 2 cores
     python benchmarks/learner_bench.py --configs 0:float32 --publishes 0
+    python benchmarks/learner_bench.py --out benchmarks/results/learner/    # also write the run's files there
 
 One rank, real DeepSpeed on CPU (gloo, torch AdamW). The model is the quickstart's tiny Qwen2 (hidden 128, 2 layers,
 4096-token BPE trained on a generated search world), built into a temporary folder unless ``--model`` names one.
@@ -17,6 +18,10 @@ OMP_NUM_THREADS=1 for fractional-CPU actors), and on a loaded 2-core machine two
 Publish: the learner's numpy state dict goes through ``ObjectStorePublisher`` to a Ray actor running
 ``VLLMEngine`` (in-process engine core, ``pause`` mode); ``--publishes`` publishes, median and max of the latency
 (publish call to engine done), of ``ray.put`` and of the engine's own reload.
+
+``--out DIR`` also writes DIR/result.json (the printed lines: ``learner_step``, one per configuration, and
+``publish``), DIR/output.txt (what was printed) and DIR/run.json (command, commit, versions, cores, load average):
+``benchmarks/record.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ import torch
 from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import Config, TinyModelConfig, WorldConfig, build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
+
+if __package__:  # imported as benchmarks.learner_bench
+    from benchmarks import record
+else:  # run as python benchmarks/learner_bench.py: this folder is sys.path[0]
+    import record
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -118,7 +128,7 @@ def bench_publish(cfg: Config, learner, publishes: int) -> dict:
             "engine_reload_s_median": statistics.median(s.actor_seconds[0] for s in stats)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF model folder (default: build the quickstart tiny model)")
     ap.add_argument("--configs", default="0:float32,0:bfloat16,2:float32,3:bfloat16", help="zero_stage:dtype,...")
@@ -129,7 +139,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--publishes", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the learner actor's: 1)")
-    args = ap.parse_args()
+    record.add_out_argument(ap)
+    args = ap.parse_args(argv)
+    with record.Recording(args.out, __file__, argv, vars(args)) as rec:
+        rec.result = bench(args)
+
+
+def bench(args: argparse.Namespace) -> dict:
+    """Every configuration's learner steps, then the publishes; prints one JSON line each, returns them."""
+    result: dict = {"learner_step": [], "publish": None}
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory(prefix="learner_bench_") as tmp:
@@ -145,11 +163,14 @@ def main() -> None:
                 "learner": {"batch_size": args.batch_size, "mini_batch_size": args.batch_size,
                             "micro_batch_size": args.micro_batch_size, "zero_stage": int(stage), "dtype": dtype},
             })
-            result = bench_learner(cfg, batch, args.steps)
-            learner = result.pop("learner")
-            print(json.dumps({"bench": "learner_step", **result}), flush=True)
+            step = bench_learner(cfg, batch, args.steps)
+            learner = step.pop("learner")
+            print(json.dumps({"bench": "learner_step", **step}), flush=True)
+            result["learner_step"].append(step)
         if args.publishes and learner is not None:
-            print(json.dumps({"bench": "publish", **bench_publish(cfg, learner, args.publishes)}), flush=True)
+            result["publish"] = bench_publish(cfg, learner, args.publishes)
+            print(json.dumps({"bench": "publish", **result["publish"]}), flush=True)
+    return result
 
 
 if __name__ == "__main__":

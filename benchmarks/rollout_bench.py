@@ -26,6 +26,11 @@ every episode searches about once, and the number of turns varies (2 to max_turn
 actions), which is where a batch barrier hurts.
 
     python benchmarks/rollout_bench.py [--episodes 256] [--rounds 4] [--concurrency 32] [--latency none,web,local]
+    python benchmarks/rollout_bench.py ... --out benchmarks/results/rollout/   # also write the run's files there
+
+``--out DIR`` also writes DIR/result.json (the final JSON printed: every block, the raw engine's scaling),
+DIR/output.txt (what was printed) and DIR/run.json (command, commit, versions, cores, load average):
+``benchmarks/record.py``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ from collections import Counter
 from pathlib import Path
 
 from retriever.latency import LATENCY_MODELS, LatencyModel, LatencySampler
+
+if __package__:  # imported as benchmarks.rollout_bench (tests)
+    from benchmarks import record
+else:  # run as python benchmarks/rollout_bench.py: this folder is sys.path[0]
+    import record
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -310,7 +320,9 @@ if __name__ == "__main__":
     p.add_argument("--stop-ab", action="store_true",
                    help="also compare, at zero latency, the asynchronous arm with one-token stop strings sent as stop "
                         "token ids (as training runs it) against the strings alone")
+    record.add_out_argument(p)
     a = p.parse_args()
     if unknown := [x for x in a.latency if x not in LATENCY_MODELS]:
         p.error(f"unknown --latency model(s) {unknown}; known: {', '.join(LATENCY_MODELS)}")
-    asyncio.run(main(a))
+    with record.Recording(a.out, __file__, None, vars(a)) as rec:
+        rec.result = asyncio.run(main(a))

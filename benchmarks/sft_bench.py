@@ -2,6 +2,7 @@
 
     python benchmarks/sft_bench.py                               # ~6 minutes on 2 loaded cores
     python benchmarks/sft_bench.py --before HEAD~1 --threads 1,2  # also the loop of an older commit
+    python benchmarks/sft_bench.py --out benchmarks/results/warm_start_throughput/  # also write the run's files there
 
 Both phases of the warm start, on the quickstart config (seed 0's world and tiny model, built into ``--world`` if
 missing; the config's batch size 16, 128-token pretraining windows and length-grouped demonstration batches):
@@ -25,6 +26,10 @@ order, each batch padded to its longest row):
 alternation, ``--rounds`` times, so a shared machine's changing load falls on all of them; reported per phase:
 tokens/s of each arm (total tokens over total seconds of its rounds; demonstrations: non-padding tokens) and its
 ratio to ``bare`` at the same thread count (``ours-auto``: to the faster ``bare``).
+
+``--out DIR`` also writes DIR/result.json (the last JSON line printed: every arm's tokens/s and ratio),
+DIR/output.txt (what was printed) and DIR/run.json (command, commit, versions, cores, load average):
+``benchmarks/record.py``. Not a folder named ``sft/``: ``.gitignore`` drops those under ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+
+if __package__:  # imported as benchmarks.sft_bench
+    from benchmarks import record
+else:  # run as python benchmarks/sft_bench.py: this folder is sys.path[0]
+    import record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +105,7 @@ def bare_sft(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor, torch.T
         opt.step()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--world", default="runs/sft_bench/world", help="world + model folder (built if missing)")
@@ -106,8 +116,16 @@ def main() -> None:
     ap.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True, help="run ours-auto")
     ap.add_argument("--before", help="git revision (or file) whose warm_start/sft.py loop also runs (e.g. HEAD~1)")
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    record.add_out_argument(ap)
+    args = ap.parse_args(argv)
+    with record.Recording(args.out, __file__, argv, vars(args)) as rec:
+        rec.result = bench(args)
+    return 0
 
+
+def bench(args: argparse.Namespace) -> dict:
+    """Every arm in alternation, ``--rounds`` times; prints the table and its JSON line, returns the latter (with
+    the steps and tokens of each phase)."""
     import warm_start.sft as ours
     from async_agent_rl.batch import pack_batch
     from async_agent_rl.config import load_config
@@ -193,7 +211,10 @@ def main() -> None:
     for row in results:
         print(f"{row['phase']:9s} {row['arm']:10s} {str(row['threads']):>7s} {row['tokens_per_s']:10,.0f} "
               f"{row['ratio_to_bare']:7.3f}")
-    print(json.dumps({"bench": "sft", "rounds": args.rounds, "padding": round(padding, 4), "results": results}))
+    summary = {"bench": "sft", "rounds": args.rounds, "padding": round(padding, 4), "results": results}
+    print(json.dumps(summary))
+    return summary | {"pretrain_steps": len(windows), "pretrain_tokens": pre_tokens, "sft_steps": len(plan),
+                      "sft_tokens": sft_tokens}
 
 
 if __name__ == "__main__":

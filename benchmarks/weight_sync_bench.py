@@ -2,6 +2,7 @@
 
     python benchmarks/weight_sync_bench.py                       # ~6 minutes on 2 cores
     python benchmarks/weight_sync_bench.py --sizes 1m --publishes 3
+    python benchmarks/weight_sync_bench.py --out benchmarks/results/weight_sync/   # also write the run's files there
 
 For each size (random Qwen2 models on the quickstart's tokenizer: ``1m`` is the quickstart's shape, ``20m`` and
 ``100m`` are wider and deeper), one learner rank (a ``LearnerActor``, DeepSpeed on CPU) and one vLLM engine in a Ray
@@ -15,6 +16,10 @@ actor (CPU build, in-process engine core, ``pause`` mode) are started, then, alt
 The raw costs of the same bytes, no engine: ``ray.put`` in one process and ``ray.get`` in another (an actor), and a
 bare gloo broadcast (``WeightGroup.send`` / ``receive``) from this process to an actor. Reported: the median and
 the minimum of each, in seconds, and the bytes (float32: four per parameter).
+
+``--out DIR`` also writes DIR/result.json (the results by size, as printed; the JSON file ``--out`` named before it
+named a folder), DIR/output.txt (what was printed) and DIR/run.json (command, commit, versions, cores, load average):
+``benchmarks/record.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ from pathlib import Path
 import ray
 
 from async_agent_rl.config import Config, TinyModelConfig, WorldConfig, build_config
+
+if __package__:  # imported as benchmarks.weight_sync_bench
+    from benchmarks import record
+else:  # run as python benchmarks/weight_sync_bench.py: this folder is sys.path[0]
+    import record
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -163,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1m,20m,100m", help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--publishes", type=int, default=5)
-    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    record.add_out_argument(p)
     args = p.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
     unknown = [s for s in sizes if s not in SIZES]
@@ -171,12 +181,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --sizes {','.join(unknown)}: not one of {', '.join(SIZES)}", file=sys.stderr)
         return 2
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    with record.Recording(args.out, __file__, argv, vars(args)) as rec:
+        rec.result = bench(sizes, args.publishes)
+    return 0
+
+
+def bench(sizes: list[str], publishes: int) -> dict:
+    """Every size in turn; prints each size's JSON line and the table, returns the results by size."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     results = {}
     with tempfile.TemporaryDirectory(prefix="aar_wsync_") as tmp:
         models = build_models(Path(tmp), sizes)
         for size in sizes:
-            results[size] = bench_size(models[size], args.publishes)
+            results[size] = bench_size(models[size], publishes)
             print(json.dumps({size: results[size]}), flush=True)
     ray.shutdown()
     print("\n| size | parameters | MB | object_store (s) | collective (s) | raw put+get (s) | raw broadcast (s) |")
@@ -185,10 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{r[k]['median_s']:.3f} (min {r[k]['min_s']:.3f})"
                  for k in ("object_store", "collective", "raw_put_get", "raw_broadcast")]
         print(f"| {size} | {r['parameters'] / 1e6:.1f}M | {r['bytes'] / 1e6:.0f} | " + " | ".join(cells) + " |")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2))
-    return 0
+    return results
 
 
 if __name__ == "__main__":
