@@ -3,7 +3,8 @@
 The shell only wires Ray to the plain classes: admission and pushes go to the buffer actor (batched), weights
 arrive from the learner as a Ray object (zero-copy numpy arrays) and go to the engine's reload, or, on the
 collective path, straight into the engine's workers by the learner's broadcast. Resources come
-from ``cluster.rollout_actor_cpus`` / ``rollout_actor_gpus`` where the actor is created (``create_rollout_actors``).
+from ``cluster.rollout_actor_cpus`` / ``rollout_actor_gpus`` / ``rollout_resources`` where the actor is created
+(``create_rollout_actors``).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class RolloutActor:
         # the metered engine from now on: a weight update through it pauses the health probe's clock (the engine's
         # requests wait for the update by design); everything else goes to the engine itself
         self.engine = self.worker.engine
-        return {"index": self.index, "examples": len(prompts.examples), "skipped_rows": report.skipped,
+        return {"index": self.index, "node": ray.get_runtime_context().get_node_id()[:8],
+                "examples": len(prompts.examples), "skipped_rows": report.skipped,
                 "skipped_too_long": len(too_long)}
 
     # ------------------------------------------------------------------------------------------ buffer plumbing
@@ -226,6 +228,7 @@ def create_rollout_actors(
     actor_cls = ray.remote(
         num_cpus=cfg.cluster.rollout_actor_cpus,
         num_gpus=cfg.cluster.rollout_actor_gpus,
+        resources=dict(cfg.cluster.rollout_resources),
         max_restarts=max_restarts,
         runtime_env={"env_vars": env},
     )(RolloutActor)

@@ -459,6 +459,15 @@ class ClusterConfig(_Section):
     learner_cpus: float = Field(0.5, ge=0)
     learner_gpus: float = Field(0.0, ge=0)
     buffer_cpus: float = Field(0.0, ge=0)
+    rollout_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources each rollout actor asks for (name: amount, e.g. "
+        "{rollout_node: 1}): the actors go only to nodes that offer them (ray start --resources); {}: anywhere")
+    learner_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources each learner rank asks for (as rollout_resources); "
+        "the ranks must share one machine (their process group is on loopback)")
+    buffer_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources the replay buffer actor asks for (as "
+        "rollout_resources)")
     max_actor_restarts: int = Field(3, ge=0, description="times Ray restarts a dead rollout actor (then the run fails)")
     actor_timeout_s: float = Field(120.0, gt=0, description="a rollout actor silent this long is treated as dead")
     actor_setup_timeout_s: float = Field(
@@ -468,6 +477,22 @@ class ClusterConfig(_Section):
         None, ge=0, description="no learner step completed this long: the run saves a checkpoint and ends in one "
         "error: line naming the blocked component; null: max(600, 10 x the slowest step so far); 0: never")
     env_vars: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("rollout_resources", "learner_resources", "buffer_resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if not name.strip():
+                raise ValueError("a resource name must not be empty")
+            if name in RAY_BUILTIN_RESOURCES:
+                raise ValueError(f"{name!r} is one of Ray's own resources: ask for CPUs and GPUs with "
+                                 "cluster.*_cpus and cluster.*_gpus; these keys name custom resources")
+            if not amount > 0:
+                raise ValueError(f"{name}: {amount:g}: an amount must be above 0")
+        return resources
+
+
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 class RunConfig(_Section):
@@ -577,12 +602,26 @@ class Config(_Section):
         return min(self.model.max_model_len, self.data.max_prompt_length + self.rollout.max_response_length)
 
     def actor_asks(self, resource: str) -> list[tuple[str, int, float]]:
-        """What the run's Ray actors ask for of ``resource`` ("CPU" or "GPU"): (which, how many, each)."""
+        """What the run's Ray actors ask for of ``resource`` ("CPU", "GPU" or a custom resource): (which, how many,
+        each)."""
         c, n_actors, n_ranks = self.cluster, self.rollout.num_actors, self.learner.num_ranks
         if resource == "CPU":
             return [("buffer", 1, c.buffer_cpus), ("rollout actors", n_actors, c.rollout_actor_cpus),
                     ("learner ranks", n_ranks, c.learner_cpus)]
-        return [("rollout actors", n_actors, c.rollout_actor_gpus), ("learner ranks", n_ranks, c.learner_gpus)]
+        if resource == "GPU":
+            return [("rollout actors", n_actors, c.rollout_actor_gpus), ("learner ranks", n_ranks, c.learner_gpus)]
+        return [(which, n, asks.get(resource, 0.0)) for which, n, asks in self.placement()]
+
+    def placement(self) -> list[tuple[str, int, dict[str, float]]]:
+        """The run's Ray actors by kind with everything each one asks Ray for (CPU, GPU and the custom resources of
+        ``cluster.*_resources``): (which, how many, resource: amount). Zero amounts are left out."""
+        c = self.cluster
+        kinds = [("buffer", 1, c.buffer_cpus, 0.0, c.buffer_resources),
+                 ("rollout actors", self.rollout.num_actors, c.rollout_actor_cpus, c.rollout_actor_gpus,
+                  c.rollout_resources),
+                 ("learner ranks", self.learner.num_ranks, c.learner_cpus, c.learner_gpus, c.learner_resources)]
+        return [(which, n, {k: v for k, v in {"CPU": cpus, "GPU": gpus, **custom}.items() if v})
+                for which, n, cpus, gpus, custom in kinds]
 
     @property
     def run_dir(self) -> Path:

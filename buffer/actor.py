@@ -249,7 +249,7 @@ class BufferActor:
 
 def create_buffer_actor(cfg: Config, *, pad_id: int, name: Optional[str] = None) -> "ray.actor.ActorHandle":
     """Start the buffer actor with resources and sizes from ``cfg``; its batches are padded with ``pad_id``."""
-    actor_cls = ray.remote(num_cpus=cfg.cluster.buffer_cpus)(BufferActor)
+    actor_cls = ray.remote(num_cpus=cfg.cluster.buffer_cpus, resources=dict(cfg.cluster.buffer_resources))(BufferActor)
     if name is not None:
         actor_cls = actor_cls.options(name=name)
     return actor_cls.remote(

@@ -13,7 +13,7 @@ from pathlib import Path
 import ray
 from ray._private.worker import global_worker
 
-from async_agent_rl.config import Config
+from async_agent_rl.config import Config, is_loopback
 from async_agent_rl.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,55 @@ def check_actors_fit(cfg: Config, resources: dict[str, float]) -> None:
             fix = "raise cluster.num_cpus or lower cluster.*_cpus" if res == "CPU" else "lower cluster.*_gpus"
             raise InputError(f"the run's actors ask the local Ray cluster for {need:g} {res}s ({detail}) and it has "
                              f"{have:g}: {fix}")
+
+
+RESOURCE_KEYS = {"buffer": "cluster.buffer_resources", "rollout actors": "cluster.rollout_resources",
+                 "learner ranks": "cluster.learner_resources"}
+
+
+def check_placement(cfg: Config, nodes: list[dict]) -> None:
+    """The actors that name custom resources (``cluster.*_resources``) can be placed on the cluster's live nodes
+    (``ray.nodes()``), local or connected: Ray leaves an actor no node can take pending for ever. Only what must
+    hold is checked, against each node's total resources: each such actor fits whole on one node (its CPUs, GPUs
+    and custom resources together), the nodes hold as many of a kind as the run starts, and every custom resource
+    the run asks for adds up to no more than the cluster has. Anything else is an ``InputError`` naming the key, the
+    ask and the nodes. A run that names no custom resource is not checked here (``check_actors_fit`` is the local
+    cluster's CPU and GPU check)."""
+    alive = [n.get("Resources") or {} for n in nodes if n.get("Alive")]
+    asked = [(which, n, asks) for which, n, asks in cfg.placement() if set(asks) - {"CPU", "GPU"}]
+    if not asked:
+        return
+
+    def fits(node: dict, asks: dict) -> int:  # how many such actors the node could hold, empty
+        return int(min(node.get(r, 0.0) / v + 1e-9 for r, v in asks.items()))
+
+    where = "; ".join(_node_line(n) for n in nodes if n.get("Alive")) or "no live node"
+    for which, n, asks in asked:
+        room = sum(fits(node, asks) for node in alive)
+        if room < n:
+            key = RESOURCE_KEYS[which]
+            custom = {k: v for k, v in asks.items() if k not in ("CPU", "GPU")}
+            raise InputError(f"{key}={_plain(custom)}: the run's {n} {which} each ask Ray for {_plain(asks)} on one "
+                             f"node, and the cluster's nodes can hold {room} of them ({where}); start nodes with "
+                             f"`ray start --resources='{json.dumps(custom)}'` or change {key}")
+    for res in sorted({r for _, _, asks in asked for r in asks} - {"CPU", "GPU"}):
+        need, have = sum(n * asks.get(res, 0.0) for _, n, asks in asked), sum(node.get(res, 0.0) for node in alive)
+        if need > have + 1e-9:
+            parts = ", ".join(f"{which} {n} x {asks[res]:g}" for which, n, asks in asked if res in asks)
+            raise InputError(f"the run's actors ask the Ray cluster for {need:g} of the custom resource {res!r} "
+                             f"({parts}) and its nodes have {have:g} ({where}): change cluster.*_resources or add "
+                             "nodes that offer it")
+
+
+def _plain(d: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in d.items()) + "}"
+
+
+def _node_line(node: dict) -> str:
+    res = node.get("Resources") or {}
+    shown = {k: v for k, v in res.items() if not k.startswith("node:") and k not in ("memory", "object_store_memory")
+             and not k.startswith("accelerator_type:")}
+    return f"node {str(node.get('NodeID', '?'))[:8]} at {node.get('NodeManagerAddress', '?')}: {_plain(shown)}"
 
 
 def resources_line(res: dict) -> str:
@@ -55,6 +104,10 @@ def ray_init(cfg: Config) -> None:
     ``RAY_AUTH_MODE`` is never put into the workers' runtime env, which is what used to get them rejected. Ray binds
     the local cluster's gRPC servers to every interface (it rewrites a loopback node address to the host's), so a
     local cluster with authentication disabled would let anyone on the network run code here: refused.
+
+    An address on loopback (``127.0.0.1:PORT``: a cluster whose nodes all bind loopback, as the multi-node cluster of
+    the tests does) is connected to as it is: Ray would otherwise rewrite it to the host's routable address, where
+    nothing answers, and retry for ever (``loopback_only``).
     """
     if ray.is_initialized():
         return
@@ -78,6 +131,8 @@ def ray_init(cfg: Config) -> None:
                         "of the working dir; pass an absolute run.output_dir to keep the run", cfg.run.output_dir)
     if address:
         check_address(cfg)
+        if is_loopback(address.split("://", 1)[-1].rpartition(":")[0].strip("[]")):
+            loopback_only()  # else Ray rewrites 127.0.0.1 to the host's address, where a loopback cluster is not
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
         loopback_only()

@@ -50,7 +50,9 @@ from async_agent_rl.stats import (
 )
 from async_agent_rl.weight_group import backend_for
 from buffer.actor import SNAPSHOT_FILE, create_buffer_actor
-from driver.cluster import check_actors_fit, check_address, link_ray_logs, ray_init, resources_line
+from driver.cluster import (
+    check_actors_fit, check_address, check_placement, link_ray_logs, ray_init, resources_line,
+)
 from driver.console import LOG_FILE, LearningSignals, RunLog, closing_lines, duration, eval_brief
 from driver.fleet import Fleet, run_totals
 from driver.limits import (
@@ -323,6 +325,7 @@ class Trainer:
         stack.callback(_shutdown_ray)
         if local_cluster:
             check_actors_fit(cfg, ray.cluster_resources())
+        check_placement(cfg, ray.nodes())  # the nodes cluster.*_resources name: before any actor waits for them
         link_ray_logs(self.run_dir / "ray_logs")
         # The slow starts overlap, each mostly one core: the learner ranks (DeepSpeed) start in a thread while the
         # retriever server builds its index and the rollout actors start their engines (which need its URL). On
@@ -389,9 +392,13 @@ class Trainer:
             if what == "learner":
                 n, asks = self.cfg.learner.num_ranks, f"cluster.learner_cpus={c.learner_cpus:g}, learner_gpus=" \
                                                      f"{c.learner_gpus:g}"
+                custom = c.learner_resources
             else:
                 n, asks = self.cfg.rollout.num_actors, f"cluster.rollout_actor_cpus={c.rollout_actor_cpus:g}, " \
                                                        f"rollout_actor_gpus={c.rollout_actor_gpus:g}"
+                custom = c.rollout_resources
+            if custom:
+                asks += f", {'learner' if what == 'learner' else 'rollout'}_resources={custom}"
             raise RunFailed(f"the {n} {what} actor(s) were not started within cluster.actor_setup_timeout_s="
                             f"{c.actor_setup_timeout_s:g} s (each asks Ray for {asks}; the cluster has "
                             f"{resources_line(ray.cluster_resources())})") from None

@@ -112,7 +112,8 @@ def rank_env(rank: int, world_size: int, master_port: int, device: str) -> dict[
 def create_learner_actors(cfg: Config) -> list[Any]:
     """Start the ``learner.num_ranks`` rank actors (not waiting for them to be ready)."""
     world_size, port = cfg.learner.num_ranks, free_port()
-    actor_cls = ray.remote(num_cpus=cfg.cluster.learner_cpus, num_gpus=cfg.cluster.learner_gpus)(LearnerActor)
+    actor_cls = ray.remote(num_cpus=cfg.cluster.learner_cpus, num_gpus=cfg.cluster.learner_gpus,
+                           resources=dict(cfg.cluster.learner_resources))(LearnerActor)
     return [
         actor_cls.options(runtime_env={"env_vars": {**cfg.cluster.env_vars,
                                                     **rank_env(rank, world_size, port, cfg.run.device)}}).remote(cfg)

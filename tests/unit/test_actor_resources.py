@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from async_agent_rl.config import load_config
+from async_agent_rl.config import ConfigError, load_config
 from async_agent_rl.errors import InputError, error_line
-from driver.cluster import check_actors_fit
+from driver.cluster import check_actors_fit, check_placement
 
 pytestmark = pytest.mark.unit
 
@@ -23,3 +23,66 @@ def test_actors_that_cannot_all_fit_on_the_local_cluster_are_refused_before_they
         "and it has 1: raise cluster.num_cpus or lower cluster.*_cpus")
     with pytest.raises(InputError, match=r"for 1 GPUs \(learner ranks 1 x 1\) and it has 0: lower cluster\.\*_gpus"):
         check_actors_fit(load_config(None, ["cluster.learner_gpus=1"]), {"CPU": 8.0})
+
+
+# ------------------------------------------------------------------------------------------------ custom resources
+def node(node_id: str, alive: bool = True, **resources: float) -> dict:
+    """A ``ray.nodes()`` entry."""
+    return {"NodeID": node_id * 7, "Alive": alive, "NodeManagerAddress": "127.0.0.1",
+            "Resources": {"node:127.0.0.1": 1.0, "memory": 1e9, **resources}}
+
+
+PLACED = ["rollout.num_actors=2", "cluster.rollout_resources={rollout: 1}", "cluster.learner_resources={trainer: 1}",
+          "cluster.buffer_resources={trainer: 1}"]
+
+
+def test_actors_placed_by_custom_resources_are_checked_against_the_nodes():
+    cfg = load_config(None, PLACED)
+    nodes = [node("aaaaaaaa", CPU=2, trainer=2), node("bbbbbbbb", CPU=1, rollout=1), node("cccccccc", CPU=1, rollout=1)]
+    check_placement(cfg, nodes)
+    check_placement(load_config(None, []), [node("aaaaaaaa", CPU=1)])  # no custom resource asked: not checked
+
+    # one rollout node lost: two actors asking one `rollout` each cannot both be placed
+    with pytest.raises(InputError) as err:
+        check_placement(cfg, [nodes[0], nodes[1], node("cccccccc", alive=False, CPU=1, rollout=1)])
+    line = error_line(err.value)
+    assert line.startswith("error: cluster.rollout_resources={rollout: 1}: the run's 2 rollout actors each ask Ray "
+                           "for {CPU: 0.5, rollout: 1} on one node, and the cluster's nodes can hold 1 of them "
+                           "(node aaaaaaaa at 127.0.0.1: {CPU: 2, trainer: 2}; node bbbbbbbb at 127.0.0.1: {CPU: 1, "
+                           "rollout: 1})"), line
+    assert "cccccccc" not in line and "memory" not in line
+    # the resource is there, but not together with the CPUs an actor asks on the same node
+    with pytest.raises(InputError, match=r"cluster.rollout_resources=.*can hold 0 of them"):
+        check_placement(cfg, [nodes[0], node("bbbbbbbb", rollout=2)])
+    # a local cluster has no custom resource at all
+    with pytest.raises(InputError, match=r"cluster.learner_resources=\{trainer: 1\}: the run's 1 learner ranks .* "
+                                         r"can hold 0 of them"):
+        check_placement(load_config(None, ["cluster.learner_resources={trainer: 1}"]), [node("aaaaaaaa", CPU=2)])
+    # each kind fits on its own, but the learner and the buffer share the one `trainer` the node has
+    with pytest.raises(InputError, match=r"ask the Ray cluster for 2 of the custom resource 'trainer' \(buffer 1 x "
+                                         r"1, learner ranks 1 x 1\) and its nodes have 1"):
+        check_placement(cfg, [node("aaaaaaaa", CPU=2, trainer=1), *nodes[1:]])
+
+
+@pytest.mark.parametrize("override, match", [
+    ("cluster.rollout_resources={CPU: 1}", "one of Ray's own resources"),
+    ("cluster.learner_resources={GPU: 1}", "one of Ray's own resources"),
+    ("cluster.buffer_resources={memory: 1000}", "one of Ray's own resources"),
+    ("cluster.rollout_resources={rollout: 0}", "above 0"),
+    ("cluster.rollout_resources={rollout: -1}", "above 0"),
+    ("cluster.rollout_resources={rollout: .nan}", "cluster.rollout_resources"),
+    ("cluster.rollout_resources={'': 1}", "must not be empty"),
+    ("cluster.rollout_resources=[rollout]", "cluster.rollout_resources"),
+])
+def test_custom_resource_keys_refuse_bad_values(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_custom_resources_reach_the_actor_asks():
+    cfg = load_config(None, [*PLACED, "cluster.rollout_actor_cpus=0.25"])
+    assert cfg.placement() == [("buffer", 1, {"trainer": 1.0}), ("rollout actors", 2, {"CPU": 0.25, "rollout": 1.0}),
+                               ("learner ranks", 1, {"CPU": 0.5, "trainer": 1.0})]
+    assert cfg.actor_asks("trainer") == [("buffer", 1, 1.0), ("rollout actors", 2, 0.0), ("learner ranks", 1, 1.0)]
+    assert cfg.actor_asks("CPU") == load_config(None, ["rollout.num_actors=2",
+                                                       "cluster.rollout_actor_cpus=0.25"]).actor_asks("CPU")
