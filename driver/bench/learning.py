@@ -82,6 +82,36 @@ def _kind_numbers(scores: dict[str, Any]) -> dict[str, dict[str, float]]:
             for k in KINDS if k in scores}
 
 
+def relation_numbers(run_dir: Path, evals: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Held-out exact match by the question's relation (``extra_info.relation`` of the run's test files: birth_year,
+    employer_hq, ...) at the start and the end of an RL run, from the ids its evaluations got right: which kinds of
+    value a warm start reads and which it does not (a per-kind EM hides a relation read at 0). Empty when the run's
+    config or test files are gone, or an evaluation covered only part of the questions."""
+    from async_agent_rl.data.search_r1 import read_qa_parquet
+
+    when = {e["when"]: e for e in evals}
+    try:
+        cfg = load_config(run_dir / "config.yaml", [])
+        questions = [q for f in cfg.data.test_files for q in read_qa_parquet(f)]
+    except Exception:  # noqa: BLE001 - a report of older or moved runs goes on without this table
+        return {}
+    if not all("correct" in when.get(w, {}).get("all", {}) and when[w]["all"]["n"] == len(questions)
+               for w in ("start", "end")):
+        return {}
+    right = {w: set(when[w]["all"]["correct"]) for w in ("start", "end")}
+    out: dict[str, dict[str, float]] = {}
+    for q in questions:
+        r = out.setdefault(str(q.extra.get("relation") or "?"), {"n": 0, "hops": q.extra.get("hops") or 0,
+                                                                  "em_start": 0.0, "em_rl": 0.0})
+        r["n"] += 1
+        r["em_start"] += q.id in right["start"]
+        r["em_rl"] += q.id in right["end"]
+    for r in out.values():
+        r["em_start"] /= r["n"]
+        r["em_rl"] /= r["n"]
+    return dict(sorted(out.items(), key=lambda kv: (kv[1]["hops"], -kv[1]["n"], kv[0])))
+
+
 def seed_row(seed: int | str, rl: ArmRun, sft: ArmRun | None) -> dict[str, Any]:
     """One seed's line of the learning report, from the RL run's ``eval.jsonl`` (its ``start`` evaluation: the warm
     start; its ``end`` one: after RL) and the SFT-only arm's scores."""
@@ -102,7 +132,8 @@ def seed_row(seed: int | str, rl: ArmRun, sft: ArmRun | None) -> dict[str, Any]:
     curve = [{"step": e["step"], **{k: e[k]["exact_match"] for k in KINDS if k in e}} for e in evals]
     return {"seed": seed, "rl_s": rl.result["train_s"], "rl_steps": rl.result["steps"],
             "sft_s": sft.result["sft_s"] if sft else float("nan"), "sft_steps": sft.result["steps"] if sft else 0,
-            "warm_start": str(rl.warm_start), "kinds": kinds, "curve": curve}
+            "warm_start": str(rl.warm_start), "kinds": kinds, "curve": curve,
+            "relations": relation_numbers(rl.run_dir, evals)}
 
 
 def learning_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -147,6 +178,27 @@ def learning_table(rows: Sequence[dict[str, Any]], summary: dict[str, Any], kind
     return "\n".join(lines)
 
 
+def relation_table(rows: Sequence[dict[str, Any]], min_n: int = 20) -> str:
+    """Held-out EM after RL by relation: a line per arm, a column per relation asked at least ``min_n`` times in
+    every arm's world (rarer ones are noise), and the mean ± s.e. and the worst over arms. Empty without numbers."""
+    have = [r for r in rows if r.get("relations")]
+    if not have:
+        return ""
+    rels = [k for k in have[0]["relations"]
+            if all(r["relations"].get(k, {}).get("n", 0) >= min_n for r in have)]
+    if not rels:
+        return ""
+    head = ["seed", *(f"{k} ({'two' if have[0]['relations'][k]['hops'] == 2 else 'one'}-hop)" for k in rels)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in have:
+        lines.append("| " + " | ".join([str(r["seed"]), *(f"{r['relations'][k]['em_rl']:.2f}" for k in rels)]) + " |")
+    stats = {k: mean_se([r["relations"][k]["em_rl"] for r in have]) for k in rels}
+    lines.append("| " + " | ".join(["**mean ± s.e.**", *(pm(stats[k], "{:.2f}") for k in rels)]) + " |")
+    lines.append("| " + " | ".join(["worst", *(f"{min(r['relations'][k]['em_rl'] for r in have):.2f}" for k in rels)])
+                 + " |")
+    return "\n".join(lines)
+
+
 def write_learning_report(rows: Sequence[dict[str, Any]], runs: Sequence[ArmRun], out: Path, command: str) -> Path:
     """``report.json`` (seed rows, summary, every arm) and ``report.md`` (tables, plots, command) in ``out``."""
     summary = learning_summary(rows) if rows else {}
@@ -172,6 +224,12 @@ def write_learning_report(rows: Sequence[dict[str, Any]], runs: Sequence[ArmRun]
     for kind, title in KINDS.items():
         if summary and kind in summary["kinds"]:
             lines += [f"## {title}", "", learning_table(rows, summary, kind), ""]
+    by_relation = relation_table(rows)
+    if by_relation:
+        lines += ["## after RL, by relation", "",
+                  "Held-out EM after RL of each relation asked at least 20 times in every arm's world: which kinds "
+                  "of value a warm start learned to read (a relation near 0 in one arm and near 1 in another is the "
+                  "warm start's, since RL changes reading little).", "", by_relation, ""]
     for png in (plot_learning(rows, out / "learning_curves.png"),
                 plot_learning_bars(summary, out / "learning_bars.png") if summary else None):
         if png is not None:

@@ -224,3 +224,47 @@ def test_a_learning_row_without_an_sft_only_arm_has_empty_sft_columns(tmp_path):
     assert summary["kinds"]["all"]["em_sft"]["n"] == 0 and summary["kinds"]["all"]["em_rl"]["n"] == 1
     report = write_learning_report([row], [], tmp_path, "async-agent-rl bench learning --rl-only").read_text()
     assert "| EM RL |" in report and "SFT-only" not in report.split("## all questions")[1]  # no empty columns
+
+
+def test_the_learning_report_breaks_held_out_em_down_by_relation(tmp_path):
+    """Per relation, from the ids each evaluation got right and the run's own test file: a relation one warm start
+    reads at 0 (years, say) while others read it shows in the table, where the per-kind EM hides it."""
+    from async_agent_rl.data.search_r1 import QAExample, write_qa_parquet
+
+    def q(i, rel, hops):
+        return QAExample(id=f"test_{i}", question=f"q{i}?", gold_answers=["a"], data_source="world_single",
+                         split="test", index=i, extra={"relation": rel, "hops": hops, "subject": "s", "bridge": ""})
+
+    # 20 birth_year and 20 employer (one-hop), 20 birth_country (two-hop), 2 founder (too rare for the table)
+    qs = [q(i, "birth_year", 1) for i in range(20)] + [q(20 + i, "employer", 1) for i in range(20)] + \
+         [q(40 + i, "birth_country", 2) for i in range(20)] + [q(60 + i, "founder", 1) for i in range(2)]
+    rows = []
+    for seed, years_read in ((0, 20), (1, 0)):
+        run_dir = tmp_path / f"seed{seed}-rl"
+        run_dir.mkdir()
+        test = write_qa_parquet(run_dir / "test.parquet", qs)
+        load_config(None, [f"data.test_files=[\"{test}\"]"]).save(run_dir / "config.yaml")
+        start = ["test_20"]  # the warm start got one employer question right
+        end = [f"test_{i}" for i in range(years_read)] + [f"test_{20 + i}" for i in range(15)] + ["test_40"]
+        (run_dir / "eval.jsonl").write_text("".join(json.dumps(
+            {"step": step, "when": when, "all": {"n": len(qs), "exact_match": len(c) / len(qs),
+                                                 "searches_per_question": 1.0, "correct": c}}) + "\n"
+            for step, when, c in ((0, "start", start), (2, "end", end))))
+        rl = ArmRun(Arm("learning", f"seed{seed}-rl", f"seed {seed}", ()), run_dir, [], warm_start=tmp_path / "ws",
+                    result={"train_s": 40.0, "steps": 2})
+        rows.append(seed_row(seed, rl, None))
+    rel = rows[1]["relations"]
+    assert list(rel) == ["birth_year", "employer", "founder", "birth_country"]  # one-hop first, most asked first
+    assert rel["birth_year"] == {"n": 20, "hops": 1, "em_start": 0.0, "em_rl": 0.0}
+    assert rel["employer"]["em_start"] == pytest.approx(0.05) and rel["employer"]["em_rl"] == pytest.approx(0.75)
+    assert rows[0]["relations"]["birth_year"]["em_rl"] == 1.0 and rel["birth_country"]["em_rl"] == pytest.approx(0.05)
+    md = write_learning_report(rows, [], tmp_path, "async-agent-rl bench learning --rl-only").read_text()
+    table = md.split("## after RL, by relation")[1]
+    assert "| seed | birth_year (one-hop) | employer (one-hop) | birth_country (two-hop) |" in table
+    assert "founder" not in table  # asked twice: noise
+    assert "| **mean ± s.e.** | 0.50 ± 0.50 | 0.75 ± 0.00 | 0.05 ± 0.00 |" in table
+    assert "| worst | 0.00 | 0.75 | 0.05 |" in table
+
+    # a run whose evaluation covered part of the questions (eval.num_questions), or whose test file is gone: no table
+    (tmp_path / "seed1-rl" / "test.parquet").unlink()
+    assert seed_row(1, rl, None)["relations"] == {}
