@@ -17,7 +17,7 @@ from typing import Sequence
 
 import yaml
 
-from async_agent_rl.config import Config, load_config
+from async_agent_rl.config import Config, build_config, load_config
 from driver.bench.arms import Arm, ArmRun
 from driver.bench.results import arm_result
 from driver.prepare import prepare
@@ -135,10 +135,15 @@ def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, 
 
 def finished_with(run_dir: Path, cfg: Config, config_file: str = "config.yaml",
                    done_file: str = "summary.json") -> bool:
+    """``run_dir`` holds a finished run (``done_file``) of the config ``cfg``. The saved config is read through
+    today's schema, so a setting added since, at its default (which keeps the behaviour the run had), leaves a
+    finished arm reusable: a long study resumes across such commits instead of running every arm again."""
     try:
         saved = yaml.safe_load((run_dir / config_file).read_text())
-        return (run_dir / done_file).is_file() and saved == cfg.to_dict()
-    except (OSError, ValueError):
+        if not (run_dir / done_file).is_file() or not isinstance(saved, dict):
+            return False
+        return saved == cfg.to_dict() or build_config(saved, str(run_dir / config_file)).to_dict() == cfg.to_dict()
+    except (OSError, ValueError):  # ConfigError is a ValueError: a setting removed or renamed since
         return False
 
 

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import yaml
 
 from async_agent_rl.config import load_config
 from driver.bench.arms import STUDIES, Arm, ArmRun, learning_arms, staleness_arms, sync_arms
@@ -268,3 +269,26 @@ def test_the_learning_report_breaks_held_out_em_down_by_relation(tmp_path):
     # a run whose evaluation covered part of the questions (eval.num_questions), or whose test file is gone: no table
     (tmp_path / "seed1-rl" / "test.parquet").unlink()
     assert seed_row(1, rl, None)["relations"] == {}
+
+
+def test_a_finished_arm_stays_reusable_when_a_setting_was_added_since_at_its_default(tmp_path):
+    """A long study resumes from its finished arms across commits: a run folder whose saved config lacks a setting
+    added later (the new key at its default keeps the old behaviour) is still that arm's finished run; one made with
+    another value of any setting is not, nor one naming a setting that no longer exists."""
+    from driver.bench.runner import finished_with
+
+    cfg = load_config("configs/quickstart.yaml", ["learner.total_steps=3"])
+    run = tmp_path / "arm"
+    run.mkdir()
+    (run / "summary.json").write_text("{}")
+    saved = cfg.to_dict()
+    del saved["sft"]["threads"], saved["cluster"]["max_actor_restarts"]  # "added since", both at their defaults
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert finished_with(run, cfg)
+    assert not finished_with(run, load_config("configs/quickstart.yaml", ["learner.total_steps=3", "sft.threads=1"]))
+    assert not finished_with(run, load_config("configs/quickstart.yaml", ["learner.total_steps=4"]))
+    saved["sft"]["a_setting_removed_since"] = 1
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert not finished_with(run, cfg)
+    (run / "config.yaml").write_text("- not a config\n")
+    assert not finished_with(run, cfg)
