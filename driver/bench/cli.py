@@ -109,9 +109,9 @@ def register(subparsers: Any) -> None:
         p.add_argument("--eval-every", type=int, help="held-out evaluation every k steps (default steps/4)")
         p.add_argument("--force", action="store_true", help="rerun arms whose finished run folder is present")
         p.add_argument("--warm-starts", help="folder of the shared SFT warm starts (default OUT/../warm_start)")
+        p.add_argument("--report-only", action="store_true", help="train nothing: report the finished arms "
+                       "(those not run yet are listed as such), e.g. while a long study is unfinished")
         if kind != "learning":
-            p.add_argument("--report-only", action="store_true", help="train nothing: report the finished arms "
-                           "(those not run yet are listed as such), e.g. while a long study is unfinished")
             p.add_argument("--seeds", help="comma-separated seeds: every arm on each seed's own world, tiny model and "
                            "warm start, reported as mean and standard error (default: the config's world, once); "
                            "with it, bench staleness adds a standard-PPO arm at the largest eta")

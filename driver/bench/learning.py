@@ -15,11 +15,13 @@ from async_agent_rl.config import load_config
 from driver.bench.arms import SEED_KEYS, Arm, ArmRun, learning_arms
 from driver.bench.plots import plot_learning, plot_learning_bars
 from driver.bench.results import KINDS, mean_se, pm
-from driver.bench.runner import clear_run, cli_command, command_line, finish, finished_with, run_arms, run_logged, tail
+from driver.bench.runner import (NOT_RUN, clear_run, cli_command, command_line, finish, finished_with, run_arms,
+                                 run_logged, tail)
 from driver.plots import read_jsonl
 
 
-def run_sft_only(config: str, rl: ArmRun, out: Path, force: bool = False, say=print) -> ArmRun:
+def run_sft_only(config: str, rl: ArmRun, out: Path, force: bool = False, say=print,
+                 report_only: bool = False) -> ArmRun:
     """The SFT-only arm of one seed: from the RL arm's own warm start, more SFT for as long as RL trained
     (``rl.result['train_s']``: the RL loop without its evaluations), in a child ``bench continue-sft``; then the
     held-out questions of RL's evaluations, greedy, in a child ``eval`` (``scores.json``). Reruns skip a finished
@@ -32,6 +34,10 @@ def run_sft_only(config: str, rl: ArmRun, out: Path, force: bool = False, say=pr
     if not force and finished_with(run.run_dir, cfg, "sft_config.yaml", "scores.json") and _same_budget(run, budget):
         run.reused = True
         say(f"[{arm.name}] finished run present in {run.run_dir}: reused")
+    elif report_only:
+        run.error = NOT_RUN
+        say(f"[{arm.name}] {run.error}")
+        return run
     else:
         say(f"[{arm.name}] SFT for {budget:.0f} s from {rl.warm_start} -> {run.run_dir}")
         clear_run(run.run_dir)
@@ -199,6 +205,31 @@ def relation_table(rows: Sequence[dict[str, Any]], min_n: int = 20) -> str:
     return "\n".join(lines)
 
 
+def arm_group(seed: int | str) -> str:
+    """Which study a learning row belongs to: a world of its own (``--seeds``), a warm start of the config's world
+    (``--warm-start-seeds``) or a pinned thread count (``--sft-threads``)."""
+    if isinstance(seed, int):
+        return "worlds (`--seeds`)"
+    return "thread counts (`--sft-threads`)" if "thread" in str(seed) else "warm starts (`--warm-start-seeds`)"
+
+
+def group_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per group of arms (``arm_group``): held-out EM after RL, mean ± s.e. and the worst, all questions and by kind."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(arm_group(r["seed"]), []).append(r)
+    kinds = [k for k in KINDS if any(k in r["kinds"] for r in rows)]
+    head = ["group", "arms", *(f"EM RL, {KINDS[k]}" for k in kinds)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, rs in groups.items():
+        cells = [name, str(len(rs))]
+        for k in kinds:
+            xs = [r["kinds"][k]["em_rl"] for r in rs if k in r["kinds"]]
+            cells.append(f"{pm(mean_se(xs), '{:.3f}')} (worst {min(xs):.3f})" if xs else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_learning_report(rows: Sequence[dict[str, Any]], runs: Sequence[ArmRun], out: Path, command: str) -> Path:
     """``report.json`` (seed rows, summary, every arm) and ``report.md`` (tables, plots, command) in ``out``."""
     summary = learning_summary(rows) if rows else {}
@@ -217,10 +248,16 @@ def write_learning_report(rows: Sequence[dict[str, Any]], runs: Sequence[ArmRun]
              f"questions (subjects never seen in training); the warm start's is RL's evaluation at step 0. "
              f"Gains are against the warm start; `RL - SFT-only` is the paired difference. ± is the standard error "
              f"over seeds (sample std / sqrt(n)). Arms ran one after the other on {os.cpu_count()} cores.", ""]
-    failed = [r for r in runs if r.error]
+    failed = [r for r in runs if r.error and r.error != NOT_RUN]
     if failed:
         lines += ["Failed arms (their seed is left out): " + "; ".join(f"`{r.arm.name}`: {r.error}" for r in failed),
                   ""]
+    not_run = [r.arm.name for r in runs if r.error == NOT_RUN]
+    if not_run:
+        lines += [f"Not run yet (`--report-only`): {', '.join(f'`{n}`' for n in not_run)}.", ""]
+    if len({arm_group(r["seed"]) for r in rows}) > 1:
+        lines += ["## by group", "", "The mean rows of the tables below pool every arm; each group's own:", "",
+                  group_table(rows), ""]
     for kind, title in KINDS.items():
         if summary and kind in summary["kinds"]:
             lines += [f"## {title}", "", learning_table(rows, summary, kind), ""]
@@ -267,7 +304,7 @@ def cmd_learning(args: argparse.Namespace) -> int:
         return 2
     arms = learning_arms(seeds, out, lists["--warm-start-seeds"], lists["--sft-threads"])
     rl_runs = run_arms(args.config, list(args.overrides), arms, out, args.steps, args.eval_every, args.force,
-                       warm_starts=Path(args.warm_starts) if args.warm_starts else None)
+                       warm_starts=Path(args.warm_starts) if args.warm_starts else None, report_only=args.report_only)
     runs, rows = list(rl_runs), []
     for rl in rl_runs:
         if rl.error:
@@ -278,7 +315,7 @@ def cmd_learning(args: argparse.Namespace) -> int:
         if args.rl_only:
             rows.append(seed_row(label, rl, None))
             continue
-        sft = run_sft_only(args.config, rl, out, args.force)
+        sft = run_sft_only(args.config, rl, out, args.force, report_only=args.report_only)
         runs.append(sft)
         if not sft.error:
             rows.append(seed_row(label, rl, sft))

@@ -292,3 +292,21 @@ def test_a_finished_arm_stays_reusable_when_a_setting_was_added_since_at_its_def
     assert not finished_with(run, cfg)
     (run / "config.yaml").write_text("- not a config\n")
     assert not finished_with(run, cfg)
+
+
+def test_the_learning_report_gives_each_group_of_arms_its_own_mean_and_worst(tmp_path):
+    """Worlds (--seeds) and warm starts of one world (--warm-start-seeds) answer different questions: each group
+    gets its own mean ± s.e. and worst, beside the pooled tables."""
+    from driver.bench.learning import arm_group, group_table
+
+    def row(seed, em):
+        return {"seed": seed, "kinds": {"all": {"em_rl": em}, "world_single": {"em_rl": em - 0.1}}}
+
+    rows = [row(1, 0.6), row(2, 0.8), row("warm start 0", 0.5), row("warm start 1", 0.7), row("warm start 2", 0.9),
+            row("warm start 0, 1 thread", 0.5)]
+    assert [arm_group(r["seed"]) for r in rows] == ["worlds (`--seeds`)"] * 2 + \
+        ["warm starts (`--warm-start-seeds`)"] * 3 + ["thread counts (`--sft-threads`)"]
+    table = group_table(rows)
+    assert "| worlds (`--seeds`) | 2 | 0.700 ± 0.100 (worst 0.600) | 0.600 ± 0.100 (worst 0.500) |" in table
+    assert "| warm starts (`--warm-start-seeds`) | 3 | 0.700 ± 0.115 (worst 0.500) |" in table
+    assert "| thread counts (`--sft-threads`) | 1 | 0.500 ± n/a (worst 0.500) |" in table
