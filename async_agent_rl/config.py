@@ -401,6 +401,10 @@ class SFTConfig(_Section):
         False, description="pretraining: follow each shuffled-fact observation with questions about it and their "
         "answers, so every kind of value (years, occupations, names) is read and copied, not only the names that "
         "repeat inside a passage")
+    pretrain_questions_per_doc: int = Field(
+        1, ge=1, description="pretrain_questions: reading exercises per document shown (drawn without repeats from "
+        "the questions about the shown documents): 1 asks about one fact of each on average, 4 about every fact of "
+        "a person")
     shuffled_copies: int = Field(
         0, ge=0, description="embedded world only: draw the demonstrations from this many fact-shuffled copies of "
         "the world (train subjects, each copy with its own index) instead of the true train facts, so the warm "

@@ -322,7 +322,7 @@ def _copy_with_id(t: Trajectory, trajectory_id: str) -> Trajectory:
 
 
 def shuffled_world_observations(world_file: str | Path, copies: int, seed: int = 0, max_docs: int = 3,
-                                questions: bool = False) -> list[str]:
+                                questions: bool = False, questions_per_doc: int = 1) -> list[str]:
     """Observation-style texts about the world's entities with every fact SHUFFLED, for corpus pretraining.
 
     ``world_file`` is the ``world.json`` entity table that ``write_world`` writes. For each of ``copies`` copies,
@@ -334,7 +334,8 @@ def shuffled_world_observations(world_file: str | Path, copies: int, seed: int =
     model pretrained on these texts learns to read the format and to copy any name; no true fact about any entity
     is taught (a value matches the truth only by chance, differently in every copy), so held-out answers stay
     reachable only by searching. With ``questions`` (``sft.pretrain_questions``) each group of documents is followed
-    by single-hop questions about them and their answers, one per document.
+    by single-hop questions about them and their answers, ``questions_per_doc`` per document (drawn without repeats
+    from all the questions about the group's documents).
     """
     from async_agent_rl.data.world import describe, questions_about, read_entities, shuffle_facts
 
@@ -352,7 +353,8 @@ def shuffled_world_observations(world_file: str | Path, copies: int, seed: int =
             if questions:  # reading exercises: single-hop questions about these documents, answered from them
                 shown = [world[p.title.strip('"')] for p in passages[i : i + k]]
                 qs = [q for e in shown for q in questions_about(e, world, rng, 0.0)]
-                text += "".join(f"\n{q.question} {q.answers[0]}" for q in rng.sample(qs, min(len(qs), len(shown))))
+                ask = min(len(qs), questions_per_doc * len(shown))
+                text += "".join(f"\n{q.question} {q.answers[0]}" for q in rng.sample(qs, ask))
             texts.append(text)
             i += k
     return texts

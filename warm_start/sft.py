@@ -58,6 +58,9 @@ INPUTS_FILE = "warm_start_inputs.json"
 RETRIEVER_KEYS = ("backend", "topk", "index_dir", "dense_model", "faiss_index", "query_prefix", "passage_prefix")
 
 
+SFT_DEFAULTS = {("threads", 0), ("pretrain_questions_per_doc", 1)}  # left out of warm_start_inputs at these values
+
+
 def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
     """The resolved settings a warm start depends on (JSON-able): the starting model, the data and prompt format,
     the retriever that makes the demonstrations' observations, the episode budgets and the ``sft`` section.
@@ -72,7 +75,8 @@ def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
         "rollout": {k: d["rollout"][k] for k in rollout},
         "reward": d["reward"],
         # a pinned thread count names its own warm start (the learning study compares them); the default does not
-        "sft": {k: v for k, v in d["sft"].items() if k not in ("enabled", "output_dir") and (k, v) != ("threads", 0)},
+        # settings added later name no warm start of their own at their default, which keeps the old behaviour
+        "sft": {k: v for k, v in d["sft"].items() if k not in ("enabled", "output_dir") and (k, v) not in SFT_DEFAULTS},
     }
 
 
@@ -429,11 +433,11 @@ def _pretrain_texts(cfg: Config, steps: int, batch_size: int, seq_len: int, toke
             f"pretraining needs the embedded world's entity table {world_file} (written by `data make-world`); "
             "use --pretrain-steps 0 for other data"
         )
-    questions = cfg.sft.pretrain_questions
-    one = shuffled_world_observations(world_file, 1, cfg.sft.seed, questions=questions)
+    questions = dict(questions=cfg.sft.pretrain_questions, questions_per_doc=cfg.sft.pretrain_questions_per_doc)
+    one = shuffled_world_observations(world_file, 1, cfg.sft.seed, **questions)
     per_copy = sum(len(ids) for ids in encode_texts(tokenizer, one))
     copies = max(1, math.ceil(steps * batch_size * seq_len / per_copy))
-    return shuffled_world_observations(world_file, copies, cfg.sft.seed, questions=questions)
+    return shuffled_world_observations(world_file, copies, cfg.sft.seed, **questions)
 
 
 def train_on_demos(

@@ -273,6 +273,24 @@ def test_pretraining_questions_are_answered_by_the_documents_just_above_them(wor
     assert asked >= len(texts)
 
 
+def test_more_reading_exercises_per_document_ask_more_facts_and_one_per_document_stays_as_it_was(world_dir):
+    """``sft.pretrain_questions_per_doc``: the default (1) gives the texts the warm starts of 457b8a3 were made from
+    (same draws, so their warm starts stay valid); 4 asks up to four questions per document, none twice."""
+    from warm_start.sft import SFT_DEFAULTS
+
+    world = world_dir / "world.json"
+    one = shuffled_world_observations(world, copies=1, seed=0, questions=True)
+    assert shuffled_world_observations(world, copies=1, seed=0, questions=True, questions_per_doc=1) == one
+    four = shuffled_world_observations(world, copies=1, seed=0, questions=True, questions_per_doc=4)
+    asked = {n: sum(len(t.partition("</information>")[2].strip().splitlines()) for t in texts)
+             for n, texts in ((1, one), (4, four))}
+    assert asked[4] > 2.5 * asked[1]
+    for t in four:
+        lines = t.partition("</information>")[2].strip().splitlines()
+        assert len(lines) == len(set(lines))
+    assert ("pretrain_questions_per_doc", 1) in SFT_DEFAULTS  # the default names no warm start of its own
+
+
 def test_an_imperfect_expert_mixes_guesses_and_one_hop_answers_independently_of_the_question(setup):
     """``sft.expert_search_prob`` / ``expert_second_hop_prob``: a share of the demonstrations answers without
     searching (the relation's most common answer) or stops a bridge question after one search (answering the bridge
