@@ -103,16 +103,27 @@ def drain(buffer, batch: int, total: int, patience_s: float = 30.0) -> int:
     return got
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 producers, repeats or tokens would divide by zero or time nothing)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=2048, help="prompt + response tokens per trajectory")
-    ap.add_argument("--producers", type=int, default=2)
-    ap.add_argument("--push-batch", type=int, default=64, help="rounded down to whole groups")
-    ap.add_argument("--sample-batch", type=int, default=320)
-    ap.add_argument("--learner-batch", type=int, default=40, help="a multiple of --group-size")
-    ap.add_argument("--group-size", type=int, default=5)
-    ap.add_argument("--steady", type=int, default=20000, help="trajectories through a full buffer")
-    ap.add_argument("--repeats", type=int, default=20, help="learner steps timed in the step phase")
+    ap.add_argument("--tokens", type=at_least_one, default=2048, help="prompt + response tokens per trajectory")
+    ap.add_argument("--producers", type=at_least_one, default=2)
+    ap.add_argument("--push-batch", type=at_least_one, default=64, help="rounded down to whole groups")
+    ap.add_argument("--sample-batch", type=at_least_one, default=320)
+    ap.add_argument("--learner-batch", type=at_least_one, default=40, help="a multiple of --group-size")
+    ap.add_argument("--group-size", type=at_least_one, default=5)
+    ap.add_argument("--steady", type=at_least_one, default=20000, help="trajectories through a full buffer")
+    ap.add_argument("--repeats", type=at_least_one, default=20, help="learner steps timed in the step phase")
     record.add_out_argument(ap)
     args = ap.parse_args(argv)
     with record.Recording(args.out, __file__, argv, vars(args)) as rec:

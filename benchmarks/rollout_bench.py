@@ -324,5 +324,9 @@ if __name__ == "__main__":
     a = p.parse_args()
     if unknown := [x for x in a.latency if x not in LATENCY_MODELS]:
         p.error(f"unknown --latency model(s) {unknown}; known: {', '.join(LATENCY_MODELS)}")
+    if a.scaling and not a.latency:  # the raw engine is measured on the episodes a latency block generated
+        p.error("--scaling needs at least one --latency block (its episodes' first turns are what it measures)")
+    if min(a.episodes, a.rounds, a.concurrency, a.max_turns) < 1 or (a.scaling and min(a.scaling) < 1):
+        p.error("--episodes, --rounds, --concurrency, --max-turns and --scaling values must be at least 1")
     with record.Recording(a.out, __file__, None, vars(a)) as rec:
         rec.result = asyncio.run(main(a))
