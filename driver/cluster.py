@@ -9,8 +9,10 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import ray
+import ray._private.state
 from ray._private.worker import global_worker
 
 from async_agent_rl.config import Config, is_loopback
@@ -49,9 +51,6 @@ def check_placement(cfg: Config, nodes: list[dict]) -> None:
     if not asked:
         return
 
-    def fits(node: dict, asks: dict) -> int:  # how many such actors the node could hold, empty
-        return int(min(node.get(r, 0.0) / v + 1e-9 for r, v in asks.items()))
-
     where = "; ".join(_node_line(n) for n in nodes if n.get("Alive")) or "no live node"
     for which, n, asks in asked:
         room = sum(fits(node, asks) for node in alive)
@@ -70,6 +69,11 @@ def check_placement(cfg: Config, nodes: list[dict]) -> None:
                              "nodes that offer it")
 
 
+def fits(node: dict, asks: dict[str, float]) -> int:
+    """How many actors asking ``asks`` (resource: amount) a node of total resources ``node`` holds, empty."""
+    return int(min(node.get(r, 0.0) / v + 1e-9 for r, v in asks.items())) if asks else 1 << 30
+
+
 def _plain(d: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in d.items()) + "}"
 
@@ -79,6 +83,41 @@ def _node_line(node: dict) -> str:
     shown = {k: v for k, v in res.items() if not k.startswith("node:") and k not in ("memory", "object_store_memory")
              and not k.startswith("accelerator_type:")}
     return f"node {str(node.get('NodeID', '?'))[:8]} at {node.get('NodeManagerAddress', '?')}: {_plain(shown)}"
+
+
+def actor_record(actor: Any) -> dict:
+    """Ray's own record of ``actor`` (the GCS actor table): its ``State`` (ALIVE, RESTARTING, PENDING_CREATION,
+    DEAD, ...) and ``Address.NodeID``, the node it runs on (while it restarts: the node it ran on, then the one Ray
+    tries to place it on, placed or not); {} when Ray has none."""
+    try:
+        return ray._private.state.actors(actor._actor_id.hex()) or {}
+    except Exception:  # noqa: BLE001 - a developer API: no record is an answer too
+        return {}
+
+
+def live_nodes() -> dict[str, dict]:
+    """node id -> ``ray.nodes()`` entry, for the nodes alive now."""
+    return {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+
+
+def actor_node(actor: Any) -> str | None:
+    """The id of the node ``actor`` runs on, from Ray's record (``actor_record``: while it restarts, not always the
+    node it ran on: note it while it runs)."""
+    return (actor_record(actor).get("Address") or {}).get("NodeID") or None
+
+
+def node_gone(node: str | None) -> str | None:
+    """"node ID8 at IP" when node ``node`` is no longer alive (it was lost), else None."""
+    if not node or node in live_nodes():
+        return None
+    ip = next((n.get("NodeManagerAddress") for n in ray.nodes() if n.get("NodeID") == node), None)
+    return f"node {node[:8]}" + (f" at {ip}" if ip else "")
+
+
+def capacity(asks: dict[str, float]) -> int:
+    """How many actors asking ``asks`` the live nodes could hold, by their total resources (what other actors
+    hold not subtracted: fewer than needed means they can never all be placed)."""
+    return sum(fits(n.get("Resources") or {}, asks) for n in live_nodes().values())
 
 
 def resources_line(res: dict) -> str:

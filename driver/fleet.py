@@ -8,6 +8,11 @@ the current policy version from ``PolicyVersions.catch_up`` before it runs again
 restarts of an actor are used up, the next problem ends the run in one ``error:`` line. The retrieval server the
 run started is restarted on its port when it exits or stops answering ``/health``.
 
+A rollout actor whose node was lost (a machine gone from a multi-node cluster) is restarted by Ray wherever the
+cluster has room for what it asks (``cluster.rollout_*``); when the live nodes cannot hold all the run's rollout
+actors for ``NO_ROOM_S``, it is given up (``retire``) and the run goes on with the others, said in one ``[fault]``
+line; the publisher stops sending to it. With none left, the run ends in one ``error:`` line.
+
 ``Fleet.stall_report`` is the one line a stalled run ends with (``stall_message``): which component is blocked
 (``blocked_component``, one of ``BLAMED``) and the state of every component.
 """
@@ -24,11 +29,17 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from async_agent_rl.config import Config
 from async_agent_rl.stats import BufferStats, DriverStats, RolloutStats, RunTotals
+from driver.cluster import actor_node, actor_record, capacity, node_gone
 from driver.limits import PROGRESS_FLOOR_S, PROGRESS_STEPS, REPORT_TIMEOUT_S, RunFailed, ask, cause
 from driver.versions import PolicyVersions
 
 RETRIEVER_HEALTH_TIMEOUT_S = 10.0  # the run's retrieval server must answer GET /health within this, or is restarted
 NOT_SET_UP = "restarted by Ray, not set up"
+NO_ROOM_S = 10.0  # a restarting rollout actor for which no live node has room this long is given up
+# an actor whose calls fail while Ray's record still has it alive: Ray has yet to see its process or node die (a lost
+# node is declared dead by the GCS's health checks, about 15 s with Ray's defaults); waited for this long at most
+SETTLE_S = 60.0
+WAITING = ("RESTARTING", "PENDING_CREATION")  # Ray's states of an actor it has yet to place
 
 
 def run_totals(stats: RolloutStats) -> dict[str, float]:
@@ -56,6 +67,13 @@ class Fleet:
         self._pids: dict[int, int] = {}  # each rollout actor's process, as it last reported
         self._pushes: dict[int, tuple[str, int, float | None]] = {}  # actor -> (incarnation, pushed, when it rose)
         self.last_stats: list[RolloutStats] = []  # every actor's stats at the last supervise()
+        self.retired: dict[int, str] = {}  # actors given up (their node lost, no room left for them) -> why
+        self.nodes: dict[int, str | None] = {}  # the node each actor runs on, as Ray last placed it
+
+    @property
+    def active(self) -> list[tuple[int, Any]]:
+        """(index, handle) of every rollout actor the run still has (not retired)."""
+        return [(i, a) for i, a in enumerate(self.actors) if i not in self.retired]
 
     def driver_stats(self) -> DriverStats:
         restarts = {f"actor{i}": self.restarts.get(f"actor{i}", 0) for i in range(len(self.actors))}
@@ -76,7 +94,7 @@ class Fleet:
         self.supervise_retriever()
         out = []
         limit = self.cfg.cluster.actor_timeout_s
-        for i, actor in enumerate(self.actors):
+        for i, actor in self.active:
             kill = False
             try:
                 stats = ray.get(actor.stats.remote(), timeout=limit)
@@ -87,26 +105,39 @@ class Fleet:
             except (RayActorError, GetTimeoutError) as e:
                 problem = type(e).__name__
                 kill = isinstance(e, GetTimeoutError)  # silent, perhaps only slow: stop this incarnation first
+                if isinstance(e, RayActorError):
+                    settle(actor)
             if problem:
+                by_ray = problem == NOT_SET_UP  # Ray restarted it (its restart was counted when it died)
+                lost = node_gone(self.nodes.get(i))  # Ray may have placed it elsewhere already (not set up)
+                if lost:
+                    problem, kill = f"its {lost} was lost ({problem})", False
                 used, allowed = self._ray_restarts.get(i, 0), self.cfg.cluster.max_actor_restarts
-                if used >= allowed and problem != NOT_SET_UP:
+                if used >= allowed and not by_ray:
                     raise RunFailed(f"rollout actor {i}: {problem} (restarted {used} time(s) already, "
                                     f"cluster.max_actor_restarts={allowed})")
                 self.say(f"[fault] rollout actor {i}: {problem}; restarting it")
                 if kill:
                     self._end_hung_process(i)
                     ray.kill(actor, no_restart=False)
-                self.restart(i)
+                if not self.restart(i):
+                    continue  # given up: no live node has room for it
                 stats = ask(actor.stats.remote(), limit, f"rollout actor {i}, just restarted,")
+            if problem or i not in self.nodes:
+                self.nodes[i] = actor_node(actor)
             self.totals.report(f"actor{stats.index}", stats.incarnation, run_totals(stats))
             self.note_pushes(i, stats)
             out.append(stats)
         self.last_stats = out
         return out
 
-    def restart(self, i: int) -> None:
+    def restart(self, i: int) -> bool:
         """Rollout actor ``i``, whose process Ray restarts: its in-flight episodes are counted lost, it is set up
-        again within ``cluster.actor_setup_timeout_s``, catches up with the policy version and runs again."""
+        again within ``cluster.actor_setup_timeout_s``, catches up with the policy version and runs again (True).
+        While Ray has yet to place it and the live nodes, by their total resources, cannot hold every rollout actor
+        the run has (its node was lost and the others are full), for ``NO_ROOM_S``, it is given up instead
+        (``retire``; False). Resources other work holds are not counted: an actor kept waiting by those ends the run
+        after ``cluster.actor_setup_timeout_s``, as before."""
         actor, actor_id = self.actors[i], f"actor{i}"
         lost = ask(self.buffer.actor_lost.remote(actor_id), self.cfg.cluster.actor_timeout_s, "the buffer actor")
         self.lost_episodes += lost
@@ -114,19 +145,55 @@ class Fleet:
         self._ray_restarts[i] = self._ray_restarts.get(i, 0) + 1
         limit = self.cfg.cluster.actor_setup_timeout_s
         deadline = time.monotonic() + limit
-        while True:  # Ray re-runs __init__ in a new process (max_restarts); wait until it answers and is set up
-            try:
-                ray.get(actor.setup.remote(self.buffer), timeout=max(1.0, deadline - time.monotonic()))
-                break
-            except (RayActorError, GetTimeoutError) as e:
-                if time.monotonic() >= deadline:
-                    raise RunFailed(f"rollout actor {i} was not set up again within cluster.actor_setup_timeout_s="
-                                    f"{limit:g} s after a restart ({type(e).__name__})") from None
-                time.sleep(1.0)
+        no_room_since: float | None = None
+        why = "not answering"
+        # Ray re-runs __init__ in a new process (max_restarts); wait until it answers and is set up. The call waits
+        # in Ray's queue while Ray has not placed the actor: it is watched, not waited on, meanwhile
+        setup = actor.setup.remote(self.buffer)
+        while True:
+            if ray.wait([setup], timeout=1.0, fetch_local=False)[0]:
+                try:
+                    ray.get(setup, timeout=REPORT_TIMEOUT_S)
+                    break
+                except (RayActorError, GetTimeoutError) as e:  # this incarnation died too: ask the next one
+                    why = type(e).__name__
+                    time.sleep(1.0)
+                    setup = actor.setup.remote(self.buffer)
+            if time.monotonic() >= deadline:
+                raise RunFailed(f"rollout actor {i} was not set up again within cluster.actor_setup_timeout_s="
+                                f"{limit:g} s after a restart ({why})")
+            if actor_record(actor).get("State") in WAITING and capacity(self.asks) < len(self.active):
+                no_room_since = no_room_since or time.monotonic()
+                if time.monotonic() - no_room_since >= NO_ROOM_S:
+                    self.retire(i, lost)
+                    return False
+            else:
+                no_room_since = None
         self.versions.catch_up(actor, i)
         ask(actor.start.remote(), self.cfg.cluster.actor_timeout_s, f"rollout actor {i}, just restarted,")
-        self.say(f"[fault] rollout actor {i} restarted at version {self.versions.version}; {lost} in-flight "
-                 "episodes lost")
+        node = actor_node(actor) or "?"
+        self.say(f"[fault] rollout actor {i} restarted at version {self.versions.version} on node {node[:8]}; "
+                 f"{lost} in-flight episodes lost")
+        if self.on_restart is not None:
+            self.on_restart()
+        return True
+
+    @property
+    def asks(self) -> dict[str, float]:
+        """What one rollout actor asks Ray for (CPU, GPU, ``cluster.rollout_resources``)."""
+        return next(asks for which, _, asks in self.cfg.placement() if which == "rollout actors")
+
+    def retire(self, i: int, lost: int) -> None:
+        """Give up rollout actor ``i`` (Ray found no node for it): it is killed for good, the publisher stops
+        sending to it, and the run goes on with the others (one ``[fault]`` line); with none left the run ends."""
+        ray.kill(self.actors[i], no_restart=True)
+        self.retired[i] = f"no live node has room for it ({', '.join(f'{k} {v:g}' for k, v in self.asks.items())})"
+        self.versions.retired(self.actors[i])
+        left = len(self.active)
+        if not left:
+            raise RunFailed(f"no rollout actor left: rollout actor {i}'s node was lost and {self.retired[i]}")
+        self.say(f"[fault] rollout actor {i}: {self.retired[i]} for {NO_ROOM_S:.0f} s; the run goes on with {left} "
+                 f"rollout actor(s) of {len(self.actors)}; {lost} in-flight episodes lost")
         if self.on_restart is not None:
             self.on_restart()
 
@@ -178,7 +245,8 @@ class Fleet:
         except ray.exceptions.RayError as e:
             buffer = f"failed: {cause(e)}"
         actors: list[RolloutStats | str] = []
-        for i, actor in enumerate(self.actors):
+        indices = [i for i, _ in self.active]
+        for i, actor in self.active:
             try:
                 stats = ray.get(actor.stats.remote(), timeout=timeout)
                 self.note_pushes(i, stats)
@@ -188,8 +256,7 @@ class Fleet:
             except ray.exceptions.RayError as e:
                 actors.append(f"failed: {cause(e)}")
         now = time.monotonic()
-        pushes = [now - p[2] if (p := self._pushes.get(i)) and p[2] is not None else None
-                  for i in range(len(self.actors))]
+        pushes = [now - p[2] if (p := self._pushes.get(i)) and p[2] is not None else None for i in indices]
         last = self.versions.last_publish
         publish = None if last is None else (last[0], now - last[1])
         if checkpoint is not None and not isinstance(buffer, str):
@@ -202,7 +269,15 @@ class Fleet:
         return RunFailed(stall_message(
             step=step, waited=waited, limit=limit, configured=self.cfg.cluster.progress_timeout_s is not None,
             learner=learner, buffer=buffer, actors=actors, last_push_s=pushes, last_publish=publish,
-            checkpoint=saved, batch_groups=self.cfg.learner.batch_size // self.cfg.rollout.group_size, floor=floor))
+            checkpoint=saved, batch_groups=self.cfg.learner.batch_size // self.cfg.rollout.group_size, floor=floor,
+            indices=indices))
+
+
+def settle(actor: Any, limit_s: float = SETTLE_S) -> None:
+    """Wait (at most ``limit_s``) until Ray's record of ``actor``, whose calls failed, no longer has it alive."""
+    deadline = time.monotonic() + limit_s
+    while actor_record(actor).get("State") == "ALIVE" and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 LEARNER, BUFFER, ACTORS_SILENT, PUSHES, ADMISSION, GENERATION = (
@@ -212,7 +287,7 @@ BLAMED = (LEARNER, BUFFER, ACTORS_SILENT, PUSHES, ADMISSION, GENERATION)  # what
 
 
 def blocked_component(*, learner: str, buffer: BufferStats | str, actors: Sequence[RolloutStats | str],
-                      batch_groups: int) -> str:
+                      batch_groups: int, indices: Sequence[int] | None = None) -> str:
     """The part of a stalled run that is blocked, with why, for the report's ``blocked:`` clause; it starts with one
     of ``BLAMED``. The first that holds, in the order a batch travels backwards from the learner:
 
@@ -222,9 +297,12 @@ def blocked_component(*, learner: str, buffer: BufferStats | str, actors: Sequen
     - rollout actors that do not answer ``stats()``;
     - the actors' pushes: no episode runs but finished ones were not pushed;
     - admission: no episode runs and nothing waits to be pushed, so admission grants no group;
-    - the rollout actors: episodes run and no batch completes."""
+    - the rollout actors: episodes run and no batch completes.
+
+    ``indices``: the actors' numbers (default 0, 1, ...; a run that gave some up has gaps)."""
+    names = list(range(len(actors))) if indices is None else list(indices)
     running = [a.running for a in actors if isinstance(a, RolloutStats)]
-    silent = [i for i, a in enumerate(actors) if isinstance(a, str)]
+    silent = [names[i] for i, a in enumerate(actors) if isinstance(a, str)]
     if learner.startswith(("computing", "not answering")):
         return f"{LEARNER} ({learner})"
     if "the buffer's answer" in learner:  # asked for a batch, the buffer never answered
@@ -250,13 +328,15 @@ def blocked_component(*, learner: str, buffer: BufferStats | str, actors: Sequen
 def stall_message(*, step: int, waited: float, limit: float, configured: bool, learner: str,
                   buffer: BufferStats | str, actors: Sequence[RolloutStats | str], last_push_s: Sequence[float | None],
                   last_publish: tuple[int, float] | None, checkpoint: str, batch_groups: int,
-                  floor: float = PROGRESS_FLOOR_S) -> str:
+                  floor: float = PROGRESS_FLOOR_S, indices: Sequence[int] | None = None) -> str:
     """The one line a stalled run ends with: how long nothing happened, which component is blocked
     (``blocked_component``), and the state of every component (``learner``: what the learner does;
     ``buffer``/``actors``: their stats, or why there are none; ``last_push_s``: seconds since each actor's pushed
     count last rose, None: never; ``last_publish``: (version, seconds ago); ``batch_groups``: groups in a batch;
     ``floor``: the watchdog's floor when the limit is not configured)."""
-    blocked = blocked_component(learner=learner, buffer=buffer, actors=actors, batch_groups=batch_groups)
+    names = list(range(len(actors))) if indices is None else list(indices)
+    blocked = blocked_component(learner=learner, buffer=buffer, actors=actors, batch_groups=batch_groups,
+                                indices=names)
     unset = f" unset: max({floor:.0f}, {PROGRESS_STEPS} x the slowest step)"
     parts = [f"no learner step completed for {waited:.0f} s (step {step + 1}; limit {limit:.0f} s, "
              f"cluster.progress_timeout_s{'' if configured else unset})",
@@ -268,7 +348,7 @@ def stall_message(*, step: int, waited: float, limit: float, configured: bool, l
         parts.append(f"buffer: {buffer.size} rows, {buffer.ready_groups} ready groups, {buffer.pending_groups} "
                      f"pending groups; admission: {a.running} running, {a.groups_open} groups open, oldest open "
                      f"version {a.oldest_open_version}")
-    for i, (stats, ago) in enumerate(zip(actors, last_push_s)):
+    for i, stats, ago in zip(names, actors, last_push_s):
         if isinstance(stats, str):
             parts.append(f"actor{i}: {stats}")
             continue

@@ -51,10 +51,10 @@ from async_agent_rl.stats import (
 from async_agent_rl.weight_group import backend_for
 from buffer.actor import SNAPSHOT_FILE, create_buffer_actor
 from driver.cluster import (
-    check_actors_fit, check_address, check_placement, link_ray_logs, ray_init, resources_line,
+    actor_node, check_actors_fit, check_address, check_placement, link_ray_logs, node_gone, ray_init, resources_line,
 )
 from driver.console import LOG_FILE, LearningSignals, RunLog, closing_lines, duration, eval_brief
-from driver.fleet import Fleet, run_totals
+from driver.fleet import SETTLE_S, Fleet, run_totals
 from driver.limits import (
     REPORT_TIMEOUT_S, ProgressWatchdog, RunFailed, ask, cause, evaluation_s, first_step_s, stop_s, test_questions,
 )
@@ -195,6 +195,7 @@ class Trainer:
         self.in_warm_start = False
         self._recorded_at: float | None = None  # when the previous step was recorded (its wall time ends there)
         self._recorded_rollout: dict[int, RolloutStats] = {}  # each actor's stats at that record (idle time since)
+        self._core_nodes: dict[str, list[str]] = {}  # node id -> what of the learner and buffer it holds
 
     # --------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -223,12 +224,13 @@ class Trainer:
                 self.start_rollouts()
                 t0 = time.monotonic()
                 self.first_step = self.step
-                while self.step < cfg.learner.total_steps:
-                    self.train_step(t0)
-                    self._check_stop()
-                    if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.learner.total_steps:
-                        self.evaluate(f"step {self.step}")
+                with self._core_node_loss():
+                    while self.step < cfg.learner.total_steps:
+                        self.train_step(t0)
                         self._check_stop()
+                        if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.learner.total_steps:
+                            self.evaluate(f"step {self.step}")
+                            self._check_stop()
             except _StopRequested:
                 closing = self._stop_now()
             if closing is None:
@@ -251,11 +253,64 @@ class Trainer:
         Evaluation runs between steps (``run``)."""
         metrics, wait_s = self._sample_and_update()
         self.step = metrics.step
+        self._note_core_nodes()
         publish = self.versions.stepped(self.step)
         rollout = self.fleet.supervise()
         self._record_step(metrics, publish, rollout, wait_s, t0)
         if self.cfg.learner.checkpoint_every and self.step % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()  # after the step's metrics line: a resume keeps exactly the lines up to here
+
+    @contextmanager
+    def _core_node_loss(self) -> Iterator[None]:
+        """A failure of the RL loop that comes of a lost node holding the learner or the replay buffer (a machine
+        gone from a multi-node cluster: Ray does not restart them) ends the run in one line naming the node, what
+        it held and the checkpoint to resume from; any other failure goes on as it is."""
+        try:
+            yield
+        except (ray.exceptions.RayError, InputError) as e:
+            lost = self._lost_core_nodes()
+            if not lost:
+                raise
+            try:
+                ckpt, _ = latest_checkpoint(self.run_dir)
+                resume = (f"resume from {ckpt} with `async-agent-rl train --resume {self.run_dir}` once nodes offer "
+                          "what they ask")
+            except InputError:
+                resume = ("no intact checkpoint to resume from (learner.checkpoint_every="
+                          f"{self.cfg.learner.checkpoint_every})")
+            raise RunFailed(f"{'; '.join(lost)} at step {self.step + 1} ({cause(e)}); {resume}") from None
+
+    def _lost_core_nodes(self) -> list[str]:
+        """"the node ID8 at IP holding X was lost" for each lost node that held the learner or the buffer (their
+        nodes as placed at the first step). When they do not all answer, Ray may have yet to declare their node
+        dead (its health checks take about 15 s): waited for, up to ``SETTLE_S``."""
+        held = self._core_nodes
+        if not held:
+            return []
+        probes = [self.buffer.stats.remote(), *(a.rank.remote() for a in self.learner.actors)]
+        try:
+            ray.get(probes, timeout=REPORT_TIMEOUT_S)
+            return []  # all there: the failure was something else
+        except (ray.exceptions.RayError, GetTimeoutError):
+            pass
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            gone = {node: node_gone(node) for node in held}
+            if any(gone.values()) or time.monotonic() > deadline:
+                return [f"the {gone[node]} holding {' and '.join(what)} was lost" for node, what in held.items()
+                        if gone[node]]
+            time.sleep(0.5)
+
+    def _note_core_nodes(self) -> None:
+        """The nodes the learner ranks and the replay buffer run on (Ray's record), once."""
+        if self._core_nodes:
+            return
+        ranks = self.learner.actors
+        for what, actor in [("the replay buffer", self.buffer),
+                            *((f"learner rank {r}" if len(ranks) > 1 else "the learner", a) for r, a in enumerate(ranks))]:
+            node = actor_node(actor)
+            if node:
+                self._core_nodes.setdefault(node, []).append(what)
 
     # ------------------------------------------------------------------------------------------------ signals
     def _catch_stop_signals(self, stack: ExitStack) -> None:
@@ -372,7 +427,8 @@ class Trainer:
 
     @property
     def actors(self) -> list[Any]:
-        return self.fleet.actors
+        """The rollout actors the run has (those given up after a node loss left out)."""
+        return [a for _, a in self.fleet.active]
 
     def _restarted(self) -> None:
         """A rollout actor was restarted: its restart does not count against the watchdog (it has its own limit,
@@ -645,10 +701,11 @@ class Trainer:
         that takes longer is left to Ray's shutdown (its in-flight episodes are dropped, said in one line) and its
         last stats stand for it: a run whose steps are done never ends in error because stopping took long."""
         limit = stop_s(self.cfg)
+        active = [i for i, _ in self.fleet.active]
         refs = [a.stop.remote(limit) for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=limit + self.cfg.cluster.actor_timeout_s)
         out = []
-        for i, ref in enumerate(refs):
+        for i, ref in zip(active, refs):
             try:
                 out.append(ray.get(ref, timeout=REPORT_TIMEOUT_S) if ref in ready else None)
             except ray.exceptions.RayError as e:
@@ -659,7 +716,7 @@ class Trainer:
                 self.log.say(f"[warn] rollout actor {i} did not stop within {limit:.0f} s; its in-flight episodes "
                              "are dropped and its last stats stand")
         last = {s.index: s for s in self.fleet.last_stats}
-        return [s if s is not None else last[i] for i, s in enumerate(out) if s is not None or i in last]
+        return [s if s is not None else last[i] for i, s in zip(active, out) if s is not None or i in last]
 
     def checkpoint(self) -> str:
         """Learner checkpoint (policy, DeepSpeed state, RNG), buffer snapshot and the driver's counters, written

@@ -10,7 +10,8 @@ weights on the object-store path, and the publisher. Everything that changes the
 - ``catch_up(actor, i)``: a rollout actor restarted in a new process gets the current version's weights before it
   runs again (on the collective path, where no copy of the published weights is kept, the learner's own weights if
   it has not stepped since the last publish, else a new version published to every actor);
-- ``restored(step, version)``: a resumed run starts from its checkpoint's step and version.
+- ``restored(step, version)``: a resumed run starts from its checkpoint's step and version;
+- ``retired(actor)``: a rollout actor the run gave up gets no more publishes.
 
 A publish that fails is reported on the console; ``PUBLISH_FAILURES_FATAL`` failures in a row end the run.
 """
@@ -91,6 +92,10 @@ class PolicyVersions:
         self.publish_failures = 0
         self.last_publish = (self.version, time.monotonic())
         return stats
+
+    def retired(self, actor: Any) -> None:
+        """A rollout actor the run gave up (``Fleet.retire``): no publish goes to it any more."""
+        self.publisher.remove(actor)
 
     def catch_up(self, actor: Any, index: int) -> None:
         """Rollout actor ``index``, just set up again in a new process, gets the current version's weights; the

@@ -49,7 +49,13 @@ class WeightPublisher(Protocol):
 
     def member_restarted(self) -> None: ...
 
+    def remove(self, actor: Any) -> None: ...
+
     def close(self) -> None: ...
+
+
+def _without(actors: Sequence[Any], actor: Any) -> list[Any]:
+    return [a for a in actors if a._actor_id != actor._actor_id]
 
 
 def _nbytes(state: State) -> int:
@@ -79,6 +85,10 @@ class ObjectStorePublisher:
 
     def member_restarted(self) -> None:
         """Nothing to do: every publish reaches whoever holds a handle."""
+
+    def remove(self, actor: Any) -> None:
+        """``actor`` (given up by the run) gets no more publishes."""
+        self.actors = _without(self.actors, actor)
 
     def close(self) -> None:
         """Nothing to release: the object store frees what no one refers to."""
@@ -145,6 +155,11 @@ class CollectivePublisher:
 
     def member_restarted(self) -> None:
         """A rollout actor came back in a new process: the group is made again before the next publish."""
+        self.connected = False
+
+    def remove(self, actor: Any) -> None:
+        """``actor`` (given up by the run) leaves: the group is made again, without it, before the next publish."""
+        self.actors = _without(self.actors, actor)
         self.connected = False
 
     def publish(self, version: int, state: Any = None) -> PublishStats:

@@ -204,11 +204,12 @@ def plain_env() -> dict[str, str]:
 
 
 class Run:
-    """A training subprocess in a session of its own; its output collected line by line as it comes."""
+    """A training subprocess in a session of its own (``env``: default ``plain_env()``); its output collected line
+    by line as it comes."""
 
-    def __init__(self, argv: list[str]):
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)  # fmt: skip
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=env or plain_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
         self.out: list[str] = []
         self.err: list[str] = []
         self.seen: dict[str, float] = {}

@@ -9,6 +9,7 @@ stdout, one JSON line each way:
 
 - ``{"cmd": "remove", "node": NAME}``: the node's raylet, object store and workers are killed
   (``Cluster.remove_node``), as when a machine is lost;
+- ``{"cmd": "add", "node": NAME, "num_cpus": N, "resources": {...}}``: a new node joins;
 - ``{"cmd": "actors"}``: Ray's own record of every actor (the GCS actor table): name, class, state, restarts and
   the node it is (or was last) on, by node name;
 - ``{"cmd": "listening"}``: every listening socket of the cluster's processes;
@@ -75,6 +76,10 @@ def serve(spec: dict) -> None:
             node = nodes.pop(msg["node"])
             cluster.remove_node(node, allow_graceful=False)  # SIGKILL: a machine that is lost says no goodbye
             return {"removed": msg["node"], "node_id": node.node_id}
+        if cmd == "add":
+            node = cluster.add_node(num_cpus=msg.get("num_cpus", 1), resources=msg.get("resources", {}), **common)
+            nodes[msg["node"]], names[node.node_id] = node, msg["node"]
+            return {"added": msg["node"], "node_id": node.node_id}
         if cmd == "actors":
             table = cluster.global_state.actor_table(None)
             return {"actors": [{"name": a["Name"], "class": a["ActorClassName"], "state": a["State"],
@@ -179,6 +184,12 @@ class LocalNodes:
     def remove(self, name: str) -> str:
         """Kill node ``name`` (its raylet, object store and workers); its id."""
         return self.ask("removed", cmd="remove", node=name)["node_id"]
+
+    def add(self, name: str, spec: dict) -> str:
+        """Start node ``name`` (``{"num_cpus": N, "resources": {...}}``) and join it to the cluster; its id."""
+        node_id = self.ask("added", cmd="add", node=name, **spec)["node_id"]
+        self.node_ids[name] = node_id
+        return node_id
 
     def actors(self) -> list[dict]:
         return self.ask("actors", cmd="actors")["actors"]
