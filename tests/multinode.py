@@ -16,8 +16,9 @@ stdout, one JSON line each way:
 - ``{"cmd": "quit"}`` (or end of input): the cluster is shut down.
 
 Drivers (a training, a script) connect with ``LocalNodes.address`` and ``LocalNodes.env`` (the token's mode and
-path). ``SPEC``: ``{"temp_dir": DIR, "head": {"num_cpus": N, "resources": {...}}, "nodes": {NAME: {...}, ...}}``;
-the head node's name is ``head``.
+path). ``SPEC``: ``{"temp_dir": DIR, "head": {"num_cpus": N, "resources": {...}}, "nodes": {NAME: {...}, ...}}``
+(a node may also give ``object_store_memory`` in bytes; Ray's test default is 150 MiB); the head node's name is
+``head``.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ def serve(spec: dict) -> None:
     # and `ray status` of anyone on this machine would find it: not this test's business
     ray._private.utils.write_ray_address = lambda *a, **k: None
     common = {"node_ip_address": LOOPBACK, "temp_dir": spec["temp_dir"]}
-    head = spec.get("head", {})
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": head.get("num_cpus", 1), "resources": head.get("resources", {}), "include_dashboard": False,
-        **common})
+
+    def args(node: dict) -> dict:  # Cluster.add_node's defaults otherwise (a 150 MiB object store)
+        return {k: node[k] for k in ("num_cpus", "resources", "object_store_memory") if k in node}
+
+    cluster = Cluster(initialize_head=True, head_node_args={**args(spec.get("head", {})), "include_dashboard": False,
+                                                            **common})
     nodes = {"head": cluster.head_node}
     for name, node in spec.get("nodes", {}).items():
-        nodes[name] = cluster.add_node(num_cpus=node.get("num_cpus", 1), resources=node.get("resources", {}), **common)
+        nodes[name] = cluster.add_node(**args(node), **common)
     cluster.wait_for_nodes()
     names = {n.node_id: name for name, n in nodes.items()}
     say({"ready": True, "address": cluster.address, "nodes": {name: n.node_id for name, n in nodes.items()},
@@ -77,7 +80,7 @@ def serve(spec: dict) -> None:
             cluster.remove_node(node, allow_graceful=False)  # SIGKILL: a machine that is lost says no goodbye
             return {"removed": msg["node"], "node_id": node.node_id}
         if cmd == "add":
-            node = cluster.add_node(num_cpus=msg.get("num_cpus", 1), resources=msg.get("resources", {}), **common)
+            node = cluster.add_node(**args(msg), **common)
             nodes[msg["node"]], names[node.node_id] = node, msg["node"]
             return {"added": msg["node"], "node_id": node.node_id}
         if cmd == "actors":
