@@ -20,6 +20,9 @@ The raw costs of the same bytes, no engine, no learner: ``ray.put`` in this driv
 ``r1`` (across nodes: a transfer between object stores), the same with a peer on the head (one object store: shared
 memory), and a bare gloo broadcast from this driver to the peer on ``r1``. Each publish and each raw put makes a
 new object, so every ``ray.get`` on ``r1`` pulls the bytes again. Reported: the median and the minimum, seconds.
+
+``--out DIR`` also writes DIR/result.json (the results by size, as printed), DIR/output.txt (what was printed) and
+DIR/run.json (command, commit, versions, cores, load average): ``benchmarks/record.py``.
 """
 
 from __future__ import annotations
