@@ -83,9 +83,10 @@ class MeteredEngine:
     """An engine whose ``generate`` requests in flight are counted over time (``requests``, an ``Occupancy``): its
     idle seconds are the time with no request in flight. It also knows when the engine last answered (``silence()``,
     the health probe's reading): a request finished (with its turn or with an error), the oldest request in flight
-    started, or a weight update (``update_weights``, ``update_weights_collective``, through this wrapper) ended;
-    while an update runs, generation is paused on purpose and nothing counts as silence. Everything else is the
-    wrapped engine's."""
+    started, or a weight update (``update_weights``, ``update_weights_collective``, through this wrapper) ended.
+    While an update runs, generation is paused on purpose: silence counts from the update's start, not from the last
+    answer, so a pause is never added to the requests' wait, but an update that itself never ends (a hung engine
+    core holds the update too) is silence once it has run for the limit. Everything else is the wrapped engine's."""
 
     def __init__(self, engine: Any, requests: Occupancy | None = None, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
@@ -93,6 +94,7 @@ class MeteredEngine:
         self._clock = clock
         self._answered = clock()  # the last answer (see above); silence counts from here
         self._updating = 0  # weight updates under way
+        self._update_started = 0.0  # when the first of the updates under way started
 
     @property
     def version(self) -> int:
@@ -113,6 +115,8 @@ class MeteredEngine:
     @contextmanager
     def paused(self) -> Iterator[None]:
         """A weight update: the engine's requests wait for it by design; generation resumes when it ends."""
+        if self._updating == 0:
+            self._update_started = self._clock()
         self._updating += 1
         try:
             yield
@@ -129,12 +133,13 @@ class MeteredEngine:
             return await self.engine.update_weights_collective(*args, **kwargs)
 
     def silence(self) -> tuple[int, float]:
-        """``(requests in flight, seconds since the engine last answered)``; 0 s with none in flight or while a weight
-        update runs."""
+        """``(requests in flight, seconds since the engine last answered)``: 0 s with none in flight; while a weight
+        update runs, seconds since it started."""
         n = self.requests.in_flight
-        if n == 0 or self._updating:
+        if n == 0:
             return n, 0.0
-        return n, max(0.0, self._clock() - self._answered)
+        since = self._update_started if self._updating else self._answered
+        return n, max(0.0, self._clock() - since)
 
     def __getattr__(self, name: str) -> Any:  # close, join_weight_group, ...: the engine's own
         if name == "engine":
@@ -380,7 +385,7 @@ class RolloutWorker:
     async def _probe_engine(self) -> None:
         """The engine health probe: every ``ENGINE_PROBE_EVERY_S`` (a tenth of a smaller limit) it reads the
         engine's silence; requests in flight with none finished for longer than ``engine_silence_s`` (a weight
-        update's pause excluded) stop the worker with ``EngineSilent`` (cancelled when ``run`` ends)."""
+        update's pause counted from its own start) stop the worker with ``EngineSilent`` (cancelled when ``run`` ends)."""
         every = min(ENGINE_PROBE_EVERY_S, self.engine_silence_s / 10)
         while self.failure is None:
             await asyncio.sleep(every)

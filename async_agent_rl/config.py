@@ -261,7 +261,7 @@ class RolloutConfig(_Section):
     multiprocess_engine: bool = Field(False, description="vLLM V1 multiprocessing (extra EngineCore process)")
     engine_silence_s: float = Field(
         0.0, ge=0, description="engine health probe: generate requests in flight with none finished this long (a "
-        "weight update's pause excluded) stop the actor's worker, and supervision restarts the actor; 0: derived, "
+        "weight update's pause counted from its own start) stop the actor's worker, and supervision restarts the actor; 0: derived, "
         "max(180, 10 x max_tokens_per_turn / 10 tokens/s), at most half of cluster.progress_timeout_s when that is "
         "set; a value set here must be below cluster.progress_timeout_s")
     seed: int = 0
