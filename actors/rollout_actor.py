@@ -95,7 +95,9 @@ class RolloutActor:
         # the metered engine from now on: a weight update through it pauses the health probe's clock (the engine's
         # requests wait for the update by design); everything else goes to the engine itself
         self.engine = self.worker.engine
-        return {"index": self.index, "node": ray.get_runtime_context().get_node_id()[:8],
+        # the node (in a Ray actor; asked outside Ray, get_runtime_context() would start a local cluster unasked)
+        node = ray.get_runtime_context().get_node_id()[:8] if ray.is_initialized() else None
+        return {"index": self.index, "node": node,
                 "examples": len(prompts.examples), "skipped_rows": report.skipped,
                 "skipped_too_long": len(too_long)}
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import ray
 
 import actors.rollout_actor as rollout_actor
 from actors.rollout_actor import RolloutActor
@@ -329,7 +330,10 @@ def test_the_actor_gives_its_worker_the_limit_and_updates_weights_through_the_pr
 
     async def go():
         actor = RolloutActor(cfg.to_dict(), 0, "http://127.0.0.1:9", "model-dir")
-        await actor.setup(buffer=None)
+        started = await actor.setup(buffer=None)
+        # outside Ray the actor names no node, and starts no Ray cluster to ask (a unit test once did, unasked,
+        # and every later test in the process found Ray already running)
+        assert started["node"] is None and not ray.is_initialized()
         assert actor.worker.engine_silence_s == 42
         assert isinstance(actor.engine, MeteredEngine) and actor.engine is actor.worker.runner.engine
         seen = []
