@@ -91,15 +91,7 @@ def bench_size(model_dir: Path, address: str, publishes: int, node_ids: dict[str
     store = ObjectStorePublisher([host], 600)
     collective = CollectivePublisher([host], learner, backend="gloo", timeout_s=600)
     collective.connect()
-    times: dict[str, list[float]] = {"object_store": [], "collective": []}
-    version = 0
-    for _ in range(publishes):
-        version += 1
-        t0 = time.perf_counter()
-        store.publish(version, learner.state_dict_ref())
-        times["object_store"].append(time.perf_counter() - t0)
-        version += 1
-        times["collective"].append(collective.publish(version).seconds)
+    times = wsb.time_publishes(store, collective, learner, publishes)
 
     state = ray.get(learner.state_dict_ref())
     nbytes = sum(int(v.nbytes) for v in state.values())

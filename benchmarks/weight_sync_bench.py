@@ -118,6 +118,22 @@ def summary(xs: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(xs), "min_s": min(xs), "n": len(xs)}
 
 
+def time_publishes(store, collective, learner, publishes: int) -> dict[str, list[float]]:
+    """``publishes`` publishes by each path, alternating (object store: the learner's state dict into the object
+    store and the publish, end to end, as the trainer does; collective: the publish's own seconds), each a new
+    version; seconds per publish by path."""
+    times: dict[str, list[float]] = {"object_store": [], "collective": []}
+    version = 0
+    for _ in range(publishes):
+        version += 1
+        t0 = time.perf_counter()
+        store.publish(version, learner.state_dict_ref())
+        times["object_store"].append(time.perf_counter() - t0)
+        version += 1
+        times["collective"].append(collective.publish(version).seconds)
+    return times
+
+
 def bench_size(model_dir: Path, publishes: int) -> dict:
     from async_agent_rl.weight_group import WeightGroup, listen_socket, weight_specs
     from learner.actor import create_learner_group
@@ -130,15 +146,7 @@ def bench_size(model_dir: Path, publishes: int) -> dict:
     store, collective = ObjectStorePublisher([host]), CollectivePublisher([host], learner, backend="gloo",
                                                                           timeout_s=300)
     collective.connect()
-    times: dict[str, list[float]] = {"object_store": [], "collective": []}
-    version = 0
-    for _ in range(publishes):
-        version += 1
-        t0 = time.perf_counter()
-        store.publish(version, learner.state_dict_ref())
-        times["object_store"].append(time.perf_counter() - t0)
-        version += 1
-        times["collective"].append(collective.publish(version).seconds)
+    times = time_publishes(store, collective, learner, publishes)
 
     state = ray.get(learner.state_dict_ref())
     nbytes = sum(int(v.nbytes) for v in state.values())
