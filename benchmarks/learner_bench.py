@@ -5,7 +5,8 @@
     python benchmarks/learner_bench.py --out benchmarks/results/learner/    # also write the run's files there
 
 One rank, real DeepSpeed on CPU (gloo, torch AdamW). The model is the quickstart's tiny Qwen2 (hidden 128, 2 layers,
-4096-token BPE trained on a generated search world), built into a temporary folder unless ``--model`` names one.
+a byte-level BPE of at most 4096 tokens trained on a generated search world: 3,540 on the shipped one), built into a
+temporary folder unless ``--model`` names one.
 A synthetic batch of ``--batch-size`` trajectories (prompt ``--prompt-len`` | model turn | observation | model turn,
 ``--response-len`` response tokens in all, two rollouts per prompt, rewards 0/1) is trained for ``--steps`` steps per
 ``zero_stage:dtype`` configuration (GRPO, decoupled PPO: one proximal pass, one forward/backward per micro-batch);

@@ -194,6 +194,15 @@ def summarize(name, trajs, seconds):
 
 
 async def main(args) -> dict:
+    """The benchmark in ``args.work``, or in a temporary folder removed on every exit path (a world, a model and a
+    warm start: tens of MB that a run without ``--work`` would otherwise leave behind)."""
+    if args.work:
+        return await run(args, Path(args.work))
+    with tempfile.TemporaryDirectory(prefix="rollout_bench_") as work:
+        return await run(args, Path(work))
+
+
+async def run(args, work: Path) -> dict:
     from transformers import AutoTokenizer
 
     from actors.engine import VLLMEngine
@@ -207,7 +216,6 @@ async def main(args) -> dict:
     from warm_start.sft import run_sft
     from retriever.server import spawn_server
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="rollout_bench_"))
     cfg = load_config("configs/quickstart.yaml", [
         f"run.output_dir={work}", f"model.path={work}/model", f"data.world_dir={work}/world",
         f"data.train_files=[{work}/world/train.parquet]", f"data.test_files=[{work}/world/test.parquet]",

@@ -69,9 +69,10 @@ def load_before(rev: str) -> Any:
     # an older loop imports the LR schedule from where it lived then
     src = got.stdout.replace("from learner.learner import lr_factor",
                              "from async_agent_rl.lr_schedule import lr_factor")
-    path = Path(tempfile.mkdtemp(prefix="sft_before_")) / "sft_before.py"
-    path.write_text(src)
-    return _module_from(path)
+    with tempfile.TemporaryDirectory(prefix="sft_before_") as tmp:  # loaded, the module needs no file
+        path = Path(tmp) / "sft_before.py"
+        path.write_text(src)
+        return _module_from(path)
 
 
 def _module_from(path: Path) -> Any:
