@@ -51,7 +51,7 @@ eta, an engine that mislabels its version); with pacing it never fires, and ``st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from async_agent_rl.records import OBS_VERSION
 from async_agent_rl.stats import AdmissionStats
@@ -246,9 +246,11 @@ class AdmissionState:
 
     @classmethod
     def resumed(cls, state: dict[str, Any], *, max_staleness: int, batch_size: int, max_concurrent: int,
-                granule: int = 1) -> "AdmissionState":
-        """Rebuild from ``state()`` saved before a restart. Episodes that were running did not survive it: they
-        count as rejected, so ``running`` starts at 0 (a group none of whose members had arrived is dropped)."""
+                granule: int = 1, keep_running: Collection[str] = ()) -> "AdmissionState":
+        """Rebuild from ``state()`` saved before a restart. The running members of the groups in ``keep_running``
+        stay running, their groups open at their admission version: they are generated again (a resume issues
+        their prompts first), so every counter is the saved one. Those of the other groups did not survive: they
+        count as rejected (a group none of whose members had arrived is dropped)."""
         adm = cls(max_staleness=max_staleness, batch_size=batch_size, max_concurrent=max_concurrent,
                   granule=granule, started=int(state["started"]), accepted=int(state["accepted"]),
                   rejected=int(state["rejected"]), evicted=int(state["evicted"]),
@@ -257,7 +259,10 @@ class AdmissionState:
                   groups_consumed=int(state.get("groups_consumed", 0)))
         adm.rejected += int(state["running"])
         for gid, (version, running, kept) in dict(state.get("open", {})).items():
-            if kept:
+            if str(gid) in keep_running and int(running) > 0:
+                adm.rejected -= int(running)
+                adm.open[str(gid)] = _OpenGroup(int(version), running=int(running), kept=int(kept))
+            elif kept:
                 adm.open[str(gid)] = _OpenGroup(int(version), running=0, kept=int(kept))
             else:
                 adm.groups_dropped += 1

@@ -76,6 +76,10 @@ class BufferActor:
         self._samples = 0
         self.incarnation = new_incarnation()
         self._owner: dict[str, str] = {}  # group id -> the rollout actor running it (while it is open)
+        self._prompts: dict[str, str] = {}  # group id -> its prompt's id, as admitted (while it is open)
+        self._cursors: dict[str, dict] = {}  # actor id -> its prompt stream's position after its last admitted group
+        self._redo: dict[str, str] = {}  # restored groups in flight at the snapshot, not claimed yet -> prompt id
+        self.resumed: dict = {}  # what the last restore kept (``restore``)
         self._lost: dict[str, int] = {}
         self._late_pushes = 0
         self._late_rejects = 0
@@ -101,19 +105,42 @@ class BufferActor:
 
     def _closed(self, group_id: str) -> None:
         self._owner.pop(group_id, None)
+        self._prompts.pop(group_id, None)
+        self._redo.pop(group_id, None)
 
     def _running(self, group_id: str) -> int:
         group = self.admission.open.get(group_id)
         return 0 if group is None else group.running
 
     # ---------------------------------------------------------------------------------------- rollout actors
-    def try_start(self, n: int, version: int, group_id: str, actor_id: str = "") -> int:
+    def try_start(self, n: int, version: int, group_id: str, actor_id: str = "", prompt: Optional[dict] = None) -> int:
         """Admission for one group of ``n`` (= group size) episodes at policy ``version``; returns ``n`` or 0. The
-        grant is tracked per actor so ``actor_lost`` can account for it."""
+        grant is tracked per actor so ``actor_lost`` can account for it. ``prompt`` (``RolloutWorker``'s ``Admit``):
+        ``{"id": the prompt's example id, "cursor": the actor's prompt stream position after it}``; a granted one is
+        kept with the group and the actor (``snapshot``: a resume generates the group again if it is in flight and
+        continues the actor's stream from there; ``claim``)."""
         granted = self.admission.try_start(n, version, group_id)
         if granted:
             self._owner[group_id] = actor_id
+            if prompt:
+                if prompt.get("id") is not None:
+                    self._prompts[group_id] = str(prompt["id"])
+                if prompt.get("cursor") is not None:
+                    self._cursors[actor_id] = prompt["cursor"]
         return granted
+
+    def claim(self, actor_id: str) -> dict:
+        """What rollout actor ``actor_id`` takes up when it starts (``RolloutActor.start``): ``{"groups": [[group
+        id, prompt id, members to generate], ...], "cursor": its prompt stream's position, or None}``. The groups are
+        those a restored snapshot had in flight and gave to this actor (``restore``), each handed out once; their
+        members count as running until they arrive or are rejected. The position is the one after the last group
+        it had admitted (a restarted actor continues its stream too)."""
+        groups = []
+        for gid in [g for g in self._redo if self._owner.get(g) == actor_id]:
+            prompt = self._redo.pop(gid)
+            if self._running(gid) > 0:
+                groups.append([gid, prompt, self._running(gid)])
+        return {"groups": groups, "cursor": self._cursors.get(actor_id)}
 
     def push_many(self, blobs: Sequence[bytes]) -> PushResult:
         """Store ``blobs``: every one is taken but those in ``PushResult.refused`` (no room; push them again). A
@@ -179,6 +206,8 @@ class BufferActor:
                 for _ in range(self._running(gid))]
         if lost:
             self.reject(lost)
+        for gid in [g for g in self._redo if self._owner.get(g) == actor_id]:  # restored, never claimed: lost too
+            del self._redo[gid]
         self._lost[actor_id] = self._lost.get(actor_id, 0) + len(lost)
         return len(lost)
 
@@ -224,27 +253,60 @@ class BufferActor:
         return Path(self.config.snapshot_dir) / SNAPSHOT_FILE
 
     def snapshot(self, path: Optional[str] = None) -> str:
-        """Write the buffer and the admission counters; returns the file written."""
-        return str(self.buffer.snapshot(self._path(path), extra={"admission": self.admission.state()}))
+        """Write the buffer, the admission counters, the groups in flight (``in_flight``: group id -> ``{"prompt":
+        its prompt id or None, "actor": the actor running it}``, every open group with members running) and each
+        actor's prompt stream position (``cursors``); returns the file written."""
+        in_flight = {gid: {"prompt": self._prompts.get(gid), "actor": self._owner.get(gid, "")}
+                     for gid, g in self.admission.open.items() if g.running > 0}
+        extra = {"admission": self.admission.state(), "in_flight": in_flight, "cursors": dict(self._cursors)}
+        return str(self.buffer.snapshot(self._path(path), extra=extra))
 
-    def restore(self, path: Optional[str] = None) -> BufferStats:
+    def restore(self, path: Optional[str] = None, actors: Optional[Sequence[str]] = None) -> BufferStats:
         """Replace the state with a snapshot's (raises ``SnapshotError`` naming the file); returns ``stats()``.
-        Episodes that were running when the snapshot was taken count as rejected."""
+
+        What a resume keeps: every counter (buffer, admission, staleness histogram) as it was at the snapshot, the
+        ready and pending groups, and the groups in flight: their members still count as running and their prompts
+        are handed out again (``claim``) to the actor that ran them, or, when ``actors`` (the run's actor ids) no
+        longer has it, to one of ``actors`` in turn; each actor's prompt stream position is handed back to it. A
+        group in flight whose prompt was not recorded (a snapshot of an older version, or a producer that gave
+        none) cannot be generated again: its running members count as rejected, as before (its group is released
+        short or, with no member arrived, dropped). ``self.resumed`` says what was kept: ``{"groups": groups to
+        generate again, "episodes": their members, "rejected": episodes counted rejected instead, "cursors": prompt
+        stream positions kept, "recorded": whether the snapshot recorded the groups in flight (False: an older
+        version's), "cursors_recorded": the same for the positions}``."""
         buffer, extra = ReplayBuffer.restore(self._path(path), self.config, self.group_size,
                                              max_trajectory_tokens=self.max_trajectory_tokens,
                                              on_evict=self._on_evict, on_consume=self._on_consume)
         try:
             state = extra["admission"]
-            admission = AdmissionState.resumed(state, **self._admission_args)
             running = {str(gid): int(g[1]) for gid, g in dict(state.get("open", {})).items()}
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+            recorded = extra.get("in_flight")  # None: an older version's snapshot recorded nothing
+            in_flight = {str(gid): dict(g) for gid, g in dict(recorded or {}).items()}
+            redo = {gid: str(in_flight[gid]["prompt"]) for gid, n in running.items()
+                    if n > 0 and in_flight.get(gid, {}).get("prompt") is not None}
+            admission = AdmissionState.resumed(state, **self._admission_args, keep_running=set(redo))
+            cursors = {str(a): dict(c) for a, c in dict(extra.get("cursors") or {}).items()}
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise SnapshotError(f"snapshot {self._path(path)} has no valid admission counters: {e!r}") from None
-        self.buffer, self.admission, self._owner = buffer, admission, {}
-        # the members that were running did not survive the restart: their groups stop waiting for them
-        self.buffer.reject([gid for gid, n in running.items() for _ in range(n)])
+        self.buffer, self.admission, self._cursors = buffer, admission, cursors
+        self._owner, self._prompts, self._redo = {}, dict(redo), dict(redo)
+        spare = list(actors or [])
+        for k, gid in enumerate(redo):
+            owner = str(in_flight[gid].get("actor") or "")
+            self._owner[gid] = owner if not spare or owner in spare else spare[k % len(spare)]
+        # the members running in the other groups did not survive the restart: their groups stop waiting for them
+        rejected = [gid for gid, n in running.items() if gid not in redo for _ in range(n)]
+        self.buffer.reject(rejected)
+        self.resumed = {"groups": len(redo), "episodes": sum(running[g] for g in redo), "rejected": len(rejected),
+                        "cursors": len(cursors), "recorded": recorded is not None,
+                        "cursors_recorded": extra.get("cursors") is not None}
         self.incarnation = new_incarnation()  # its totals are the snapshot's from here on
         self._wake()
         return self.stats()
+
+    def resume_report(self) -> dict:
+        """``self.resumed``: what the last ``restore`` kept."""
+        return dict(self.resumed)
 
 
 def create_buffer_actor(cfg: Config, *, pad_id: int, name: Optional[str] = None) -> "ray.actor.ActorHandle":

@@ -551,7 +551,8 @@ class ReplayBuffer:
                 "counters": dict(self.counters),
                 "evicted": dict(self.evicted),
                 "filtered_groups": dict(self.filtered_groups),
-            "zero_variance_kept": self.counters["zero_variance_kept"],
+                "zero_variance_kept": self.counters["zero_variance_kept"],
+                "filtered_streak": self._filtered_streak,
                 "staleness_histogram": [[k, v] for k, v in self.staleness_histogram.items()],
                 "length_tokens": {k: dict(v) for k, v in self.length_tokens.items()},
                 "length_turns": {k: dict(v) for k, v in self.length_turns.items()},
@@ -591,6 +592,7 @@ class ReplayBuffer:
             buf.counters.update(state["counters"])
             buf.evicted.update(state["evicted"])
             buf.filtered_groups.update(state.get("filtered_groups", {}))
+            buf._filtered_streak = int(state.get("filtered_streak", 0))  # older snapshots: none recorded
             buf.staleness_histogram.update({int(k): int(v) for k, v in state["staleness_histogram"]})
             for name in ("length_tokens", "length_turns"):
                 for stage, counts in dict(state.get(name) or {}).items():
