@@ -78,9 +78,12 @@ class RolloutActor:
         if not prompts.examples:
             raise InputError(f"none of the {len(too_long)} training prompts of rollout actor {self.index} fits "
                              f"data.max_prompt_length={cfg.data.max_prompt_length} tokens ({cfg.data.train_files})")
+        self.prompts = prompts
+        # every training prompt by id (any shard's: a group in flight at a checkpoint may come back to another actor)
+        self.by_id = {ex.id: ex for ex in reversed(examples)}  # the first of a repeated id, as the stream has it
         self.worker = RolloutWorker(
             runner,
-            iter(prompts),
+            prompts,
             self._push,
             group_size=cfg.rollout.group_size,
             max_concurrent=cfg.rollout.max_concurrent_episodes,
@@ -104,8 +107,8 @@ class RolloutActor:
     # ------------------------------------------------------------------------------------------ buffer plumbing
     # every call to the buffer is answered within cluster.actor_timeout_s, or fails the worker (the driver then
     # restarts this actor, and ends the run when the buffer itself stopped answering)
-    async def _admit(self, n: int, version: int, group_id: str) -> int:
-        return await asyncio.wait_for(self.buffer.try_start.remote(n, version, group_id, self.actor_id),
+    async def _admit(self, n: int, version: int, group_id: str, prompt: dict | None = None) -> int:
+        return await asyncio.wait_for(self.buffer.try_start.remote(n, version, group_id, self.actor_id, prompt),
                                       self.cfg.cluster.actor_timeout_s)
 
     async def _push(self, trajs: list[Trajectory]) -> list[Trajectory]:
@@ -119,10 +122,44 @@ class RolloutActor:
         await asyncio.wait_for(self.buffer.reject.remote(group_ids), self.cfg.cluster.actor_timeout_s)
 
     # ------------------------------------------------------------------------------------------------ control
-    async def start(self, num_groups: int | None = None) -> None:
+    async def start(self, num_groups: int | None = None) -> dict:
+        """Start generating. First the buffer is asked what this actor left off (``BufferActor.claim``): its prompt
+        stream continues from the position of the last group it had admitted, and the groups in flight at the
+        checkpoint a resumed run restored are generated again before anything new (``RolloutWorker.resume``).
+        Returns what was taken up: ``{"groups": [[group id, prompt id, members], ...], "cursor": position or None,
+        "unknown": prompt ids not in the training data, "note": why the position was not used, or None}``."""
         assert self.worker is not None, "call setup() first"
+        taken: dict = {"groups": [], "cursor": None, "unknown": [], "note": None}
+        if getattr(self, "buffer", None) is not None:
+            claim = await asyncio.wait_for(self.buffer.claim.remote(self.actor_id), self.cfg.cluster.actor_timeout_s)
+            taken = await self._take_up(claim)
         self._task = asyncio.create_task(self.worker.run(num_groups))
         self._task.add_done_callback(self._ended)
+        return taken
+
+    async def _take_up(self, claim: dict) -> dict:
+        """Apply a ``BufferActor.claim``: restore the prompt stream's position, hand the worker the groups to
+        generate again. A position that does not fit this actor's prompts (the data or the shards changed) is not
+        used (the stream starts from its beginning, said in ``note``); a group whose prompt is not in the data is
+        reported lost to the buffer (its members are not waited for)."""
+        cursor, note = claim.get("cursor"), None
+        if cursor is not None:
+            try:
+                self.prompts.restore(cursor)
+            except ValueError as e:
+                note, cursor = str(e), None
+                log.warning("rollout actor %d: prompt stream not continued: %s", self.index, e)
+        groups, unknown = [], []
+        for gid, pid, members in claim.get("groups", []):
+            ex = self.by_id.get(pid)
+            if ex is None:
+                unknown.append(pid)
+                await self._lost([gid] * int(members))
+            else:
+                groups.append((ex, gid, int(members)))
+        self.worker.resume(groups)
+        return {"groups": [[gid, ex.id, m] for ex, gid, m in groups], "cursor": cursor, "unknown": unknown,
+                "note": note}
 
     def _ended(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:  # the worker logged it; the driver reads error()

@@ -53,12 +53,23 @@ log = logging.getLogger(__name__)
 
 # takes a batch of finished trajectories; returns those a full buffer refused (None or empty: all taken)
 Sink = Callable[[list[Trajectory]], Awaitable[Sequence[Trajectory] | None]]
-Admit = Callable[[int, int, str], Awaitable[int]]  # (episodes wanted, policy version, group id) -> granted
+# (episodes wanted, policy version, group id, the prompt: ``{"id": example id, "cursor": its PromptSource's state
+# after drawing it, or None}``) -> granted. The buffer keeps both: a resume issues the prompt again if its episodes
+# were in flight, and continues the stream from the cursor of the last group admitted (``RolloutWorker.resume``).
+Admit = Callable[[int, int, str, dict], Awaitable[int]]
 Lost = Callable[[list[str]], Awaitable[None]]  # group id of each episode that was started and will never arrive
 
 
 class PromptSource:
-    """Endless passes over a shard of the dataset (shard ``index`` of ``count``), reshuffled each epoch."""
+    """Endless passes over a shard of the dataset (shard ``index`` of ``count``), reshuffled each epoch.
+
+    An iterator with a position that survives a restart: ``state()`` is where the stream stands (``{"epoch": e,
+    "index": i, "last": id}``: the next prompt is the ``i``-th of pass ``e``, ``last`` the id of the one drawn before
+    it) and ``restore(state)`` puts a fresh source (same examples, shard and seed) there. The shuffle RNG is not
+    stored: it is seeded from ``(seed, shard)`` and draws one shuffle per pass, so replaying ``e + 1`` shuffles
+    rebuilds both pass ``e``'s order and the RNG state exactly (a few ms per hundred passes of a large shard). A state
+    that does not fit these examples (another dataset, shard count or length filter: its ``last`` is not where it
+    says) is refused with ``ValueError`` and the source stays at its beginning."""
 
     def __init__(
         self, examples: Sequence[QAExample], shard: int = 0, num_shards: int = 1, seed: int = 0, shuffle: bool = True
@@ -66,17 +77,57 @@ class PromptSource:
         self.examples = [ex for i, ex in enumerate(examples) if i % num_shards == shard]
         if not self.examples:
             raise ValueError(f"dataset shard {shard}/{num_shards} is empty ({len(examples)} examples in total)")
-        self._rng = random.Random(seed * 7919 + shard)
+        self._seed = seed * 7919 + shard
+        self._rng = random.Random(self._seed)
         self.shuffle = shuffle
         self.epoch = 0
+        self._order: list[QAExample] | None = None  # this pass's order, drawn at its first prompt
+        self._index = 0  # the next prompt's place in it
 
-    def __iter__(self) -> Iterator[QAExample]:
-        while True:
+    def __iter__(self) -> "PromptSource":
+        return self
+
+    def __next__(self) -> QAExample:
+        if self._order is not None and self._index >= len(self._order):
+            self.epoch += 1
+            self._order = None
+        if self._order is None:
+            self._order = self._new_order()
+            self._index = 0
+        ex = self._order[self._index]
+        self._index += 1
+        return ex
+
+    def _new_order(self) -> list[QAExample]:
+        order = list(self.examples)
+        if self.shuffle:
+            self._rng.shuffle(order)
+        return order
+
+    def state(self) -> dict[str, Any]:
+        """Where the stream stands (msgpack- and JSON-able); ``restore`` continues from here."""
+        last = self._order[self._index - 1].id if self._order is not None and self._index else None
+        return {"epoch": self.epoch, "index": self._index, "last": last}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from ``state()`` of a source over the same examples (class docstring); ``ValueError`` when it
+        does not fit them (the source is left at its beginning)."""
+        try:
+            epoch, index, last = int(state["epoch"]), int(state["index"]), state.get("last")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a prompt stream position: {state!r} ({e!r})") from None
+        if epoch < 0 or not 0 <= index <= len(self.examples):
+            raise ValueError(f"prompt stream position {state!r} is outside a pass of {len(self.examples)} prompts")
+        rng = random.Random(self._seed)
+        order = None
+        for _ in range(epoch + 1 if index else epoch):  # the shuffles drawn so far (none yet for an unstarted pass)
             order = list(self.examples)
             if self.shuffle:
-                self._rng.shuffle(order)
-            yield from order
-            self.epoch += 1
+                rng.shuffle(order)
+        if index and (order is None or order[index - 1].id != last):
+            raise ValueError(f"prompt stream position {state!r} does not fit these {len(self.examples)} prompts "
+                             f"(the prompt before it is {order[index - 1].id if order else None!r}, not {last!r})")
+        self._rng, self.epoch, self._order, self._index = rng, epoch, order if index else None, index
 
 
 class MeteredEngine:
@@ -171,7 +222,7 @@ def engine_silence_s(cfg: Any) -> float:
     return min(derived, watchdog / 2) if watchdog else derived
 
 
-async def admit_all(n: int, version: int, group_id: str) -> int:
+async def admit_all(n: int, version: int, group_id: str, prompt: dict | None = None) -> int:
     """Admission that always grants (standalone rollouts, no staleness bound)."""
     return n
 
@@ -306,10 +357,27 @@ class RolloutWorker:
         self._failed = asyncio.Event()
         self.failure: tuple[str, BaseException] | None = None  # (what failed, the exception) once the worker failed
         self._episode_counter = 0
+        self._redo: list[tuple[QAExample, str, int]] = []  # (prompt, group id, members) to start first: ``resume``
+        self._drawn: tuple[QAExample, dict] | None = None  # a prompt drawn and not admitted yet, with its tag
         self.failures_in_a_row = 0  # episodes failed since the last one that finished
         self.failures_in_a_row_limit = failures_in_a_row_limit(max_concurrent)
 
     # ------------------------------------------------------------------------------------------------ control
+    def resume(self, groups: Sequence[tuple[QAExample, str, int]]) -> None:
+        """Groups that were in flight when the run's checkpoint was taken, as ``(prompt, group id, members)``: ``run``
+        starts ``members`` episodes of each under its own group id before it draws a new prompt, asking no admission
+        (their admission survived the restart: the buffer kept them open, their members counted as running).
+
+        Only the missing members are generated again; the members that arrived before the checkpoint stay in the
+        buffer and the group completes with the new ones. Dropping the arrived members and generating the whole
+        group again would throw away finished work and change the counts a resume keeps (accepted, evicted); it
+        would not make the group more consistent: its members are independent samples of the same prompt either
+        way (GRPO's group statistics need nothing more), each carrying its own behavior log-probabilities and
+        token versions (the decoupled loss corrects each for its own lag). Staleness stays bounded: the group keeps
+        the admission version it had, and the new members are generated with weights no older than the
+        checkpoint's, which are at least that version (``async_agent_rl.staleness``, claim 1)."""
+        self._redo.extend(groups)
+
     def stop(self) -> None:
         """Start no new groups; in-flight episodes finish and are pushed."""
         self._stop.set()
@@ -358,14 +426,19 @@ class RolloutWorker:
         if self.mode == "sync":
             await self._run_waves(num_groups)
             return
+        while self._redo and not self._stop.is_set():  # admitted before a restart: first, unasked (``resume``)
+            ex, gid, members = self._redo.pop(0)
+            await self._start_group(ex, gid, members=members)
         group_id = self._new_group_id()
         while not self._stop.is_set() and (num_groups is None or self.stats.groups_started < num_groups):
             # the buffer grants whole groups (multiples of group_size) or nothing; ask with the ENGINE's
             # version (the weights that will generate), not the learner's
-            if await self.admit(self.group_size, self.runner.engine.version, group_id) < self.group_size:
+            ex, tag = self._draw()
+            if await self.admit(self.group_size, self.runner.engine.version, group_id, tag) < self.group_size:
                 await self._wait(self.admission_poll_s)
                 continue
-            await self._start_group(next(self.prompts), group_id)
+            self._drawn = None
+            await self._start_group(ex, group_id)
             group_id = self._new_group_id()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
@@ -408,22 +481,27 @@ class RolloutWorker:
             return not self._stop.is_set() and (num_groups is None or self.stats.groups_started + n < num_groups)
 
         while more(0):
-            wave: list[tuple[QAExample, str]] = []
+            wave: list[tuple[QAExample, str, int]] = []
+            # groups admitted before a restart (``resume``) make up the first waves, as many episodes as may run
+            while self._redo and (not wave or sum(m for *_, m in wave) + self._redo[0][2] <= self.max_concurrent):
+                wave.append(self._redo.pop(0))
             group_id = self._new_group_id()
-            while len(wave) < wave_groups and more(len(wave)):
-                if await self.admit(self.group_size, self.runner.engine.version, group_id) < self.group_size:
+            while not self._redo and len(wave) < wave_groups and more(len(wave)):
+                ex, tag = self._draw()
+                if await self.admit(self.group_size, self.runner.engine.version, group_id, tag) < self.group_size:
                     break
-                wave.append((next(self.prompts), group_id))
+                self._drawn = None
+                wave.append((ex, group_id, self.group_size))
                 group_id = self._new_group_id()
             if not wave:
                 await self._wait(self.admission_poll_s)
                 continue
-            barrier = TurnBarrier(len(wave) * self.group_size)
+            barrier = TurnBarrier(sum(m for *_, m in wave))
             r = self.runner
             # the engine stays metered (a wave waiting at the barrier is engine idle time), the timers are shared
             lockstep = EpisodeRunner(LockstepEngine(r.engine, barrier), r.search, r.tokenizer, r.s, r.timers)
-            for ex, gid in wave:
-                await self._start_group(ex, gid, lockstep, barrier)
+            for ex, gid, members in wave:
+                await self._start_group(ex, gid, lockstep, barrier, members=members)
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
             self.stats.waves += 1
 
@@ -437,10 +515,19 @@ class RolloutWorker:
     def _new_group_id(self) -> str:
         return f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
 
+    def _draw(self) -> tuple[QAExample, dict]:
+        """The next group's prompt and its tag for admission (``Admit``): the one drawn before if it was not
+        admitted yet (it is asked for again, never skipped), else the stream's next."""
+        if self._drawn is None:
+            ex = next(self.prompts)
+            state = getattr(self.prompts, "state", None)  # a PromptSource's position after it; a plain iterator: none
+            self._drawn = (ex, {"id": ex.id, "cursor": state() if state is not None else None})
+        return self._drawn
+
     async def _start_group(self, ex: QAExample, group_id: str, runner: EpisodeRunner | None = None,
-                           barrier: TurnBarrier | None = None) -> None:
+                           barrier: TurnBarrier | None = None, members: int | None = None) -> None:
         self.stats.groups_started += 1
-        for _ in range(self.group_size):
+        for _ in range(self.group_size if members is None else members):
             await self._slots.acquire()
             self._episode_counter += 1
             seed = None if self.seed is None else self.seed * 1_000_003 + self._episode_counter

@@ -181,7 +181,7 @@ def test_a_weight_update_that_pauses_generation_almost_the_limit_is_no_silence()
 def test_an_idle_worker_is_no_silence():
     """No request in flight for many limits: admission grants nothing (a full staleness window)."""
 
-    async def nothing(n, version, group_id):
+    async def nothing(n, version, group_id, prompt=None):
         return 0
 
     w = worker(HungEngine(), admit=nothing)

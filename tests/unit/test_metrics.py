@@ -131,7 +131,7 @@ def real_run(tok) -> tuple[RolloutStats, BufferStats]:
             async def sink(batch):
                 buffer.push_many([t.encode() for t in batch])
 
-            async def admit(n, version, group_id):
+            async def admit(n, version, group_id, prompt=None):
                 return buffer.try_start(n, version, group_id, "actor0")
 
             worker = RolloutWorker(EpisodeRunner(ScriptedEngine(tok), sc, tok, settings), iter(examples), sink,
