@@ -79,6 +79,11 @@ class LearningSignals:
         self._flat_steps = 0
         self._pending: list[str] = []
 
+    def resumed(self, buffer: BufferStats) -> None:
+        """A resumed run: the restored buffer's group counts are the previous step's, so the first step after the
+        resume counts only its own groups (it counted every group of the run before)."""
+        self._groups = (buffer.groups_completed, buffer.groups_zero_variance)
+
     def update(self, rollout: Sequence[RolloutStats], buffer: BufferStats, learner: LearnerStats) -> LearningStats:
         completed, flat = buffer.groups_completed, buffer.groups_zero_variance
         d_completed, d_flat = completed - self._groups[0], flat - self._groups[1]

@@ -187,6 +187,8 @@ class Trainer:
         self.mon: RunMonitoring | None = None
         self.resume_from: Path | None = None
         self._resumed: dict | None = None  # the checkpoint's driver state, for the fleet once it exists
+        self.restored_buffer: BufferStats | None = None  # a resumed run: the buffer's stats right after the restore
+        self.taken_up: list[dict] = []  # a resumed run: what each rollout actor took up (RolloutActor.start)
         self.learning = LearningSignals()
         self.first_step: int | None = None  # the step the RL loop started from (a resumed run: its checkpoint's)
         self._search_warned_at = -SEARCH_WARN_EVERY_S
@@ -490,7 +492,11 @@ class Trainer:
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
     def start_rollouts(self) -> None:
-        self._ask([a.start.remote() for a in self.actors], "a rollout actor asked to start")
+        taken = self._ask([a.start.remote() for a in self.actors], "a rollout actor asked to start")
+        if self.resume_from is not None:
+            self.taken_up = taken
+            for line in taken_up_lines(taken):
+                self.log.say(line)
         if self.mon is not None:
             self.mon.driver.update(self.fleet.driver_stats())  # every actor's restart count from 0 on
             self.mon.poll(self._observe_components, every_s=self.cfg.monitoring.log_every_s)
@@ -779,7 +785,14 @@ class Trainer:
         check_model_matches(ckpt, self.policy_path)
         self.step, version = self.learner.load_checkpoint(ckpt)  # the learner owns both
         self.versions.restored(self.step, version)  # the actors start from this checkpoint's policy, its version
-        self._ask(self.buffer.restore.remote(str(ckpt / SNAPSHOT_FILE)), "the buffer actor (restore)")
+        actor_ids = [f"actor{i}" for i in range(self.cfg.rollout.num_actors)]  # RolloutActor.actor_id
+        buffer = self._ask(self.buffer.restore.remote(str(ckpt / SNAPSHOT_FILE), actor_ids),
+                           "the buffer actor (restore)")
+        self.restored_buffer = buffer  # the counters as the checkpoint had them, before anything moves
+        self.learning.resumed(buffer)
+        line = kept_line(self._ask(self.buffer.resume_report.remote(), "the buffer actor (restore)"))
+        if line:
+            self.log.say(line)
         metrics = self.run_dir / "metrics.jsonl"
         kept = []
         for line in read_metrics_lines(metrics):
@@ -836,6 +849,41 @@ class Trainer:
     def plots(self) -> list[Path]:
 
         return list(plot_run(self.run_dir))
+
+
+def kept_line(kept: dict) -> str | None:
+    """The ``[resume]`` line for what the buffer's restore kept (``BufferActor.restore``), or None when there
+    was nothing in flight to speak of. A checkpoint of an older version recorded neither the groups in flight nor
+    the prompt stream positions: said here, once."""
+    missing = [what for what, key in (("the groups in flight", "recorded"),
+                                      ("the prompt stream positions", "cursors_recorded")) if not kept.get(key)]
+    if missing:
+        lost = f"; {kept.get('rejected', 0)} episode(s) in flight count as rejected" if kept.get("rejected") else ""
+        return (f"[resume] the checkpoint recorded {' nor '.join(missing)} (an older version's): nothing "
+                f"recorded is taken up{lost}; the prompt streams without a position start from their beginning")
+    if kept.get("groups") or kept.get("rejected"):
+        unrecorded = (f"; {kept['rejected']} episode(s) whose prompt was not recorded count as rejected"
+                      if kept.get("rejected") else "")
+        return (f"[resume] {kept.get('groups', 0)} group(s) in flight at the checkpoint "
+                f"({kept.get('episodes', 0)} episode(s)) are generated again first{unrecorded}")
+    return None
+
+
+def taken_up_lines(taken: list[dict]) -> list[str]:
+    """The ``[resume]`` lines for what the rollout actors took up when they started (``RolloutActor.start``)."""
+    groups = sum(len(t.get("groups", [])) for t in taken)
+    episodes = sum(int(m) for t in taken for *_, m in t.get("groups", []))
+    at = [f"actor{i} pass {t['cursor']['epoch']} prompt {t['cursor']['index']}" for i, t in enumerate(taken)
+          if t.get("cursor")]
+    lines = [f"[resume] rollout actors: {groups} group(s) in flight at the checkpoint restarted ({episodes} "
+             f"episode(s)); prompt streams continue at {', '.join(at) if at else 'their beginning'}"]
+    for i, t in enumerate(taken):
+        if t.get("note"):
+            lines.append(f"[resume] warning: actor{i}'s prompt stream starts from its beginning: {t['note']}")
+        if t.get("unknown"):
+            lines.append(f"[resume] warning: actor{i}: {len(t['unknown'])} prompt(s) in flight are not in the "
+                         f"training data any more (first {t['unknown'][0]!r}); their episodes count as rejected")
+    return lines
 
 
 def train(cfg: Config, quiet: bool = False, resume: str | Path | None = None) -> dict:
