@@ -456,9 +456,14 @@ class ReplayBuffer:
         for group in list(self._pending.values()):
             if now - group.first_at < cfg.partial_group_timeout_s:
                 continue
-            if not group.items:  # only rejections were reported and nothing came
-                del self._pending[group.gid]
-            elif cfg.partial_groups == "release":
+            if not group.items:
+                # only rejections so far: its timeout runs from its first member's arrival (``_add``). Forgetting it
+                # here lost its rejections, and the members still under way then waited for the rejected one for
+                # ever (a group whose member failed early and whose others took longer than the timeout: with
+                # partial_groups=wait the run stalled at the staleness bound). It goes once every member is
+                # accounted for (``_maybe_complete``).
+                continue
+            if cfg.partial_groups == "release":
                 del self._pending[group.gid]
                 self.counters["groups_released_partial"] += 1
                 if self._filtered(group):

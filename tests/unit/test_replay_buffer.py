@@ -200,6 +200,23 @@ def test_partial_group_drop_after_timeout_is_an_eviction():
     assert s.pushed == s.sampled + s.evicted_total + s.size
 
 
+@pytest.mark.parametrize("policy", ["wait", "release", "drop"])
+def test_a_rejection_before_any_member_arrived_is_kept_past_the_timeout(policy):
+    """The timeout runs from a group's first member's arrival: a group with only a rejection (one member failed
+    early) used to be forgotten once the timeout passed, and its other members, arriving later, then waited for the
+    rejected one for ever (with partial_groups=wait the run stalled at the staleness bound)."""
+    clock = Clock()
+    buf = ReplayBuffer(BufferConfig(partial_groups=policy, partial_group_timeout_s=10), 4,
+                       max_trajectory_tokens=LONGEST, clock=clock)
+    buf.reject(["g"])
+    clock.now += 11
+    assert buf.stats().pending_groups == 0  # nothing arrived yet: no group waits for its timeout
+    buf.push([traj("g", m) for m in range(3)])
+    s = buf.stats()
+    assert (s.ready_groups, s.groups_released_short, s.pending_groups) == (1, 1, 0)
+    assert ids(buf.sample_wire(4, 0)) == ["g/0", "g/1", "g/2"]
+
+
 def test_backpressure_on_trajectory_capacity_takes_what_fits():
     buf = make(group_size=1, capacity_trajectories=3)
     res = buf.push([traj(g) for g in "abcde"])
