@@ -62,3 +62,12 @@ def test_warns_once_after_several_steps_of_nearly_all_equal_reward_groups():
     # a step with a spread resets the streak
     sig.update([], _buffer(completed + 10, flat + 5), LearnerStats())
     assert sig._flat_steps == 0
+
+
+def test_after_a_resume_the_first_step_counts_only_its_own_groups():
+    """A resumed run's buffer comes back with the checkpoint's group counts: the first step after the resume counted
+    every group of the run as its own (a zero-variance share over the whole history)."""
+    sig = LearningSignals()
+    sig.resumed(_buffer(100, 90))
+    rec = sig.update([], _buffer(104, 90), LearnerStats())
+    assert rec.zero_variance_share == 0.0
