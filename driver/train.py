@@ -187,7 +187,6 @@ class Trainer:
         self.mon: RunMonitoring | None = None
         self.resume_from: Path | None = None
         self._resumed: dict | None = None  # the checkpoint's driver state, for the fleet once it exists
-        self.restored_buffer: BufferStats | None = None  # a resumed run: the buffer's stats right after the restore
         self.taken_up: list[dict] = []  # a resumed run: what each rollout actor took up (RolloutActor.start)
         self.learning = LearningSignals()
         self.first_step: int | None = None  # the step the RL loop started from (a resumed run: its checkpoint's)
@@ -788,8 +787,7 @@ class Trainer:
         actor_ids = [f"actor{i}" for i in range(self.cfg.rollout.num_actors)]  # RolloutActor.actor_id
         buffer = self._ask(self.buffer.restore.remote(str(ckpt / SNAPSHOT_FILE), actor_ids),
                            "the buffer actor (restore)")
-        self.restored_buffer = buffer  # the counters as the checkpoint had them, before anything moves
-        self.learning.resumed(buffer)
+        self.learning.resumed(buffer)  # the counts as the checkpoint had them: the next step counts from there
         line = kept_line(self._ask(self.buffer.resume_report.remote(), "the buffer actor (restore)"))
         if line:
             self.log.say(line)
