@@ -9,6 +9,8 @@ import tempfile
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def own_tmp(tmp_path, monkeypatch):
