@@ -412,6 +412,10 @@ class SFTConfig(_Section):
     expert_search_prob: float = Field(
         1.0, ge=0.0, le=1.0, description="share of demonstrations in which the scripted expert searches; the rest "
         "answer at once with a guess (the relation's most common train answer), as a model answering from memory does")
+    guess_value_loss: bool = Field(
+        True, description="train the guessed value of a guess demonstration (sft.expert_search_prob < 1) as a target; "
+        "false masks the value's tokens out of the loss, so the warm start learns when a guess is made but not what "
+        "to guess: no constant answer per relation for reading to compete with")
     expert_second_hop_prob: float = Field(
         1.0, ge=0.0, le=1.0, description="share of searching bridge demonstrations that make the second search; the "
         "rest stop after the first and answer the bridge entity they found")

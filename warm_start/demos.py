@@ -25,8 +25,10 @@ a rollout's, so SFT and RL train on the same sequences by construction:
 
 The expert can be made imperfect, as demonstrations from a weaker model are (``sft.expert_search_prob``,
 ``sft.expert_second_hop_prob``): in a share of its episodes it answers at once without searching (a guess: the
-relation's most common answer among the demonstrated questions) or, on a bridge question, stops after the first
-search and answers the bridge entity it found. Each demonstration draws its behaviour independently of the
+relation's most common answer among the demonstrated questions; with ``sft.guess_value_loss: false`` the guessed
+value's tokens are out of the loss, so only the decision to guess is imitated, not one constant value per relation
+that a read answer has to outweigh) or, on a bridge question, stops after the first search and answers the bridge
+entity it found. Each demonstration draws its behaviour independently of the
 question, so imitation learns the format and reading from every demonstration but cannot learn which behaviour
 pays; RL can, since only the searching ones are rewarded::
 
@@ -236,6 +238,8 @@ class DemoExpert:
         if exact_match(self.tokenizer.decode(traj.response_ids[last.start : last.end], skip_special_tokens=True),
                        [answer]) != 1.0:
             raise DemoError(ex.id, "answer_roundtrip", f"{answer!r} does not survive tokenization")
+        if behaviour == GUESS and not self.cfg.sft.guess_value_loss:
+            mask_value(self.tokenizer, traj, last, answer)
         traj.meta.extra = {"demo": True, "hops": ex.extra.get("hops"), "queries": list(queries),
                            "behaviour": behaviour}
         return traj
@@ -252,6 +256,23 @@ class DemoExpert:
         if not runner.observation_fits(len(traj.prompt_ids), len(traj.response_ids), len(obs)):
             raise DemoError(ex.id, "response_budget", f"no room for a turn after a {len(obs)}-token observation")
         raise DemoError(ex.id, "too_many_turns", f"rollout.max_turns={self.s.max_turns}")
+
+
+def mask_value(tokenizer: Any, traj: Trajectory, turn: Any, value: str) -> None:
+    """Set ``loss_mask`` 0 on the tokens of ``turn`` (a span of ``traj.response_ids``) that spell ``value`` (its last
+    occurrence in the turn's text: the answer inside ``<answer> ... </answer>``): every token whose decoded
+    characters overlap the value's. The rest of the turn (the decision to answer, the tags) stays a target."""
+    ids = traj.response_ids[turn.start : turn.end]
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    at = text.rfind(value)
+    if at < 0:
+        raise DemoError(traj.meta.trajectory_id, "answer_roundtrip", f"{value!r} is not in the answer turn {text!r}")
+    ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=False)) for k in range(len(ids))]
+    begin = 0
+    for k, end in enumerate(ends):
+        if begin < at + len(value) and end > at:  # token k spells characters [begin, end) of the turn
+            traj.loss_mask[turn.start + k] = 0
+        begin = end
 
 
 def make_demonstrations(

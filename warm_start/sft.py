@@ -58,7 +58,7 @@ INPUTS_FILE = "warm_start_inputs.json"
 RETRIEVER_KEYS = ("backend", "topk", "index_dir", "dense_model", "faiss_index", "query_prefix", "passage_prefix")
 
 
-SFT_DEFAULTS = {("threads", 0), ("pretrain_questions_per_doc", 1)}  # left out of warm_start_inputs at these values
+SFT_DEFAULTS = {("threads", 0), ("pretrain_questions_per_doc", 1), ("guess_value_loss", True)}  # left out of warm_start_inputs at these values
 
 
 def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:

@@ -291,6 +291,37 @@ def test_more_reading_exercises_per_document_ask_more_facts_and_one_per_document
     assert ("pretrain_questions_per_doc", 1) in SFT_DEFAULTS  # the default names no warm start of its own
 
 
+def test_without_guess_value_loss_a_guess_trains_the_decision_and_not_the_value(setup):
+    """``sft.guess_value_loss: false``: in a guess demonstration exactly the tokens that spell the guessed value are
+    out of the loss (the relation's one constant answer is not taught); the decision to answer at once, the tags and
+    every other demonstration's tokens stay targets, and the sequences are the same as with the loss on."""
+    from warm_start.demos import GUESS, THOROUGH, DemoExpert
+
+    cfg, tok, train, _, backend, _, _ = setup
+    on, off = cfg.model_copy(deep=True), cfg.model_copy(deep=True)
+    on.sft.expert_search_prob = off.sft.expert_search_prob = 0.5
+    off.sft.guess_value_loss = False
+    experts = {}
+    for name, c in (("on", on), ("off", off)):
+        experts[name] = DemoExpert(c, tok, backend)
+        experts[name].set_guesses(train)
+    checked = 0
+    for ex in train[:20]:
+        g_on, g_off = (experts[n].demonstrate(ex, behaviour=GUESS) for n in ("on", "off"))
+        assert g_on.response_ids == g_off.response_ids and all(g_on.loss_mask[t.start : t.end] for t in g_on.turns)
+        last = g_off.turns[-1]
+        ids, mask = g_off.response_ids[last.start : last.end], g_off.loss_mask[last.start : last.end]
+        untrained = tok.decode([i for i, m in zip(ids, mask) if not m]).strip()
+        trained = tok.decode([i for i, m in zip(ids, mask) if m])
+        guess = experts["off"].guesses[ex.extra["relation"]]
+        assert untrained == guess and guess not in trained and "<answer>" in trained and "</answer>" in trained
+        assert sum(1 - m for m in g_off.loss_mask) == sum(1 - m for m in g_on.loss_mask) + len(ids) - sum(mask)
+        t_on, t_off = (experts[n].demonstrate(ex, behaviour=THOROUGH) for n in ("on", "off"))
+        assert t_on.loss_mask == t_off.loss_mask  # a read answer is a target either way
+        checked += 1
+    assert checked == 20
+
+
 def test_an_imperfect_expert_mixes_guesses_and_one_hop_answers_independently_of_the_question(setup):
     """``sft.expert_search_prob`` / ``expert_second_hop_prob``: a share of the demonstrations answers without
     searching (the relation's most common answer) or stops a bridge question after one search (answering the bridge
