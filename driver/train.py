@@ -857,7 +857,7 @@ def kept_line(kept: dict) -> str | None:
                                       ("the prompt stream positions", "cursors_recorded")) if not kept.get(key)]
     if missing:
         lost = f"; {kept.get('rejected', 0)} episode(s) in flight count as rejected" if kept.get("rejected") else ""
-        return (f"[resume] the checkpoint recorded {' nor '.join(missing)} (an older version's): nothing "
+        return (f"[resume] the checkpoint did not record {' or '.join(missing)} (an older version's): nothing "
                 f"recorded is taken up{lost}; the prompt streams without a position start from their beginning")
     if kept.get("groups") or kept.get("rejected"):
         unrecorded = (f"; {kept['rejected']} episode(s) whose prompt was not recorded count as rejected"

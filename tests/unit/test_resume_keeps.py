@@ -175,8 +175,17 @@ def test_a_snapshot_of_an_older_version_resumes_with_nothing_taken_up_said_once(
     assert (report["recorded"], report["cursors_recorded"], report["groups"]) == (False, False, 0)
     assert new.claim("actor0") == {"groups": [], "cursor": None}
     line = kept_line(report)
-    assert line.startswith("[resume] the checkpoint recorded the groups in flight nor the prompt stream positions "
+    assert line.startswith("[resume] the checkpoint did not record the groups in flight or the prompt stream positions "
                            "(an older version's): nothing recorded is taken up; 8 episode(s) in flight count as")
+
+
+def test_the_resume_line_names_only_what_the_checkpoint_did_not_record():
+    from driver.train import kept_line
+
+    line = kept_line({"recorded": True, "cursors_recorded": False, "groups": 2, "episodes": 3})
+    assert line.startswith("[resume] the checkpoint did not record the prompt stream positions (an older")
+    line = kept_line({"recorded": False, "cursors_recorded": True})
+    assert line.startswith("[resume] the checkpoint did not record the groups in flight (an older")
 
 
 def test_the_zero_variance_streak_survives_a_snapshot(tmp_path):
