@@ -69,6 +69,47 @@ def check_placement(cfg: Config, nodes: list[dict]) -> None:
                              "nodes that offer it")
 
 
+def check_machines(cfg: Config, nodes: list[dict], driver_address: str | None = None) -> None:
+    """On a cluster of several machines (live nodes at more than one address), refuse what only works on one:
+    the parts that listen on loopback cannot be reached from another machine, and a run would wait on them until
+    its watchdog. One ``InputError`` naming the key and the fix:
+
+    - ``weight_sync.method=collective``: the group's store listens on 127.0.0.1 of the learner's machine;
+    - a retrieval server the run starts (no ``retriever.url``) on a loopback ``retriever.host``, when a rollout
+      actor can be placed on another machine than the driver's (``driver_address``; None: on more than one);
+    - ``learner.num_ranks > 1`` whose ranks can be placed on more than one machine (they rendezvous on loopback).
+
+    Nodes of one machine (a multi-raylet cluster on loopback, every node at the same address) are not checked."""
+    alive = [n for n in nodes if n.get("Alive")]
+    addresses = sorted({str(n.get("NodeManagerAddress", "")) for n in alive})
+    if len(addresses) < 2:
+        return
+    where = f"the Ray cluster's nodes are on {len(addresses)} machines ({', '.join(addresses)})"
+    if cfg.weight_sync.method == "collective":
+        raise InputError(f"weight_sync.method=collective: {where}, and the collective group listens on loopback of "
+                         "the learner's machine, where engines on other machines cannot join it; use "
+                         "weight_sync.method=object_store")
+    asks = {which: a for which, _, a in cfg.placement()}
+
+    def machines(which: str) -> list[str]:
+        return sorted({str(n.get("NodeManagerAddress", "")) for n in alive if fits(n.get("Resources") or {},
+                                                                                    asks[which])})
+
+    on = machines("rollout actors")
+    elsewhere = len(on) > 1 if driver_address is None else any(a != driver_address for a in on)
+    if not cfg.retriever.url and is_loopback(cfg.retriever.host) and elsewhere:
+        raise InputError(f"retriever.host={cfg.retriever.host}: {where}, rollout actors can be placed on "
+                         f"{', '.join(on)}, and the retrieval server the run starts listens on loopback of the "
+                         "driver's machine, where actors on other machines cannot reach it; set retriever.host to "
+                         "this machine's private address (the server has no authentication: keep the firewall to "
+                         "the cluster) or retriever.url to a server every node reaches")
+    on = machines("learner ranks")
+    if cfg.learner.num_ranks > 1 and len(on) > 1:
+        raise InputError(f"learner.num_ranks={cfg.learner.num_ranks}: {where}, the ranks can be placed on "
+                         f"{', '.join(on)}, and they form their group on loopback of one machine; name a resource "
+                         "that only one machine offers in cluster.learner_resources")
+
+
 def fits(node: dict, asks: dict[str, float]) -> int:
     """How many actors asking ``asks`` (resource: amount) a node of total resources ``node`` holds, empty."""
     return int(min(node.get(r, 0.0) / v + 1e-9 for r, v in asks.items())) if asks else 1 << 30

@@ -86,3 +86,39 @@ def test_custom_resources_reach_the_actor_asks():
     assert cfg.actor_asks("trainer") == [("buffer", 1, 1.0), ("rollout actors", 2, 0.0), ("learner ranks", 1, 1.0)]
     assert cfg.actor_asks("CPU") == load_config(None, ["rollout.num_actors=2",
                                                        "cluster.rollout_actor_cpus=0.25"]).actor_asks("CPU")
+
+
+# ------------------------------------------------------------------------------------------------ several machines
+def machine(node_id: str, address: str, **resources: float) -> dict:
+    return node(node_id, **resources) | {"NodeManagerAddress": address}
+
+
+HEAD, OTHER = "10.0.0.5", "10.0.0.6"
+MACHINES = [machine("aaaaaaaa", HEAD, CPU=8, trainer=2), machine("bbbbbbbb", OTHER, CPU=8, rollout=2)]
+ACROSS = [*PLACED, "weight_sync.method=object_store", f"retriever.host={HEAD}"]  # the recipe of OPERATIONS.md
+
+
+def test_a_run_on_several_machines_is_refused_what_listens_on_loopback():
+    from driver.cluster import check_machines
+
+    check_machines(load_config(None, ACROSS), MACHINES, HEAD)  # the documented recipe passes
+    # one machine, several raylets (every node at one address): nothing to refuse, whatever the config
+    check_machines(load_config(None, ["weight_sync.method=collective", "learner.num_ranks=2"]),
+                   [node("aaaaaaaa", CPU=8), node("bbbbbbbb", CPU=8)], "127.0.0.1")
+    refused = {
+        "weight_sync.method=collective": [*ACROSS, "weight_sync.method=collective"],
+        "retriever.host=127.0.0.1": [*ACROSS, "retriever.host=127.0.0.1"],
+        "learner.num_ranks=2": [*ACROSS, "learner.num_ranks=2", "cluster.learner_resources={}"],
+    }
+    for key, overrides in refused.items():
+        with pytest.raises(InputError) as e:
+            check_machines(load_config(None, overrides), MACHINES, HEAD)
+        line = error_line(e.value)
+        assert line.startswith(f"error: {key}: the Ray cluster's nodes are on 2 machines (10.0.0.5, 10.0.0.6)"), line
+    # a retriever the user runs, or rollout actors kept on the driver's machine, need no reachable server of the run's
+    check_machines(load_config(None, [*ACROSS, "retriever.host=127.0.0.1", "retriever.url=http://10.0.0.7:8000"]),
+                   MACHINES, HEAD)
+    check_machines(load_config(None, [*ACROSS, "retriever.host=127.0.0.1", "cluster.rollout_resources={trainer: 1}",
+                                      "cluster.learner_resources={}", "cluster.buffer_resources={}"]), MACHINES, HEAD)
+    # two learner ranks kept on one machine by a resource only it offers
+    check_machines(load_config(None, [*ACROSS, "learner.num_ranks=2"]), MACHINES, HEAD)
