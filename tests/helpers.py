@@ -112,6 +112,50 @@ def end_processes(procs: list, grace_s: float) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def cluster_processes(temp_dir: Path, sid: int | None) -> list:
+    """A Ray cluster's live processes (``psutil.Process``): those of the session it was started in (``sid``: Ray's
+    daemons, the client server included, stay in it even once ``ray start`` has exited), those naming ``temp_dir``
+    on their command line, and all their descendants (workers, a job's driver, vLLM engine cores); never this
+    process."""
+    import psutil
+
+    roots = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and ((sid is not None and os.getsid(p.pid) == sid)
+                                         or any(str(temp_dir) in a for a in (p.info["cmdline"] or []))):
+                roots.append(p)
+        except (psutil.Error, OSError):
+            pass
+    found: dict[int, psutil.Process] = {}
+    for r in roots:
+        found[r.pid] = r
+        try:
+            for p in r.children(recursive=True):
+                found[p.pid] = p
+        except psutil.Error:
+            pass
+    found.pop(os.getpid(), None)
+    live = []
+    for p in found.values():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                live.append(p)
+        except psutil.Error:
+            pass
+    return live
+
+
+def stop_cluster(temp_dir: Path, sid: int | None, grace_s: float = 5.0) -> None:
+    """Terminate a cluster's processes (``cluster_processes``), SIGKILL what is left after ``grace_s``. Several
+    rounds: a process started while the first round ran is caught by the next."""
+    for _ in range(3):
+        procs = cluster_processes(temp_dir, sid)
+        if not procs:
+            return
+        end_processes(procs, grace_s)
+
+
 def world_overrides(world_dir: Path, model_dir: Path) -> list[str]:
     """Dotted overrides that point any config at the session's world and a model folder, so nothing reads or
     writes the repository's runs/ folder."""

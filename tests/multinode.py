@@ -211,44 +211,10 @@ class LocalNodes:
             except (OSError, subprocess.TimeoutExpired, AssertionError):
                 pass
         if proc is not None:
-            end_session(proc.pid, self.temp_dir)
+            from tests.helpers import stop_cluster  # lazy: this file also runs as the cluster host
+
+            stop_cluster(self.temp_dir, proc.pid)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def session_processes(sid: int, temp_dir: Path) -> list:
-    """The cluster's processes: those of the host's session (its raylets, GCS and workers stay in it) or naming
-    its temp dir, and their descendants; never this process."""
-    import psutil
-
-    found: dict[int, Any] = {}
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if p.pid != os.getpid() and (os.getsid(p.pid) == sid or any(str(temp_dir) in a
-                                                                         for a in (p.info["cmdline"] or []))):
-                found[p.pid] = p
-                for c in p.children(recursive=True):
-                    found[c.pid] = c
-        except (psutil.Error, OSError):
-            pass
-    found.pop(os.getpid(), None)
-    live = []
-    for p in found.values():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                live.append(p)
-        except psutil.Error:
-            pass
-    return live
-
-
-def end_session(sid: int, temp_dir: Path) -> None:
-    from tests.helpers import end_processes
-
-    for _ in range(3):
-        procs = session_processes(sid, temp_dir)
-        if not procs:
-            return
-        end_processes(procs, 5.0)
 
 
 if __name__ == "__main__":

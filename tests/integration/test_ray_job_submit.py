@@ -32,10 +32,9 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.helpers import end_processes
+from tests.helpers import cluster_processes, stop_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -68,50 +67,6 @@ def run(cmd: list[str], env: dict, timeout_s: float, cwd: Path = REPO,
     if check and res.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
     return res
-
-
-def cluster_processes(temp_dir: Path, sid: int | None) -> list[psutil.Process]:
-    """This cluster's processes: those in the session ``ray start`` ran in (``sid``: it was started with a session
-    of its own, and Ray's daemons, the client server included, stay in it even once ``ray start`` has exited),
-    those naming ``temp_dir`` on their command line, and all their descendants (workers, the job's driver, vLLM
-    engine cores)."""
-    roots = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if p.pid == os.getpid():
-                continue
-            if (sid is not None and os.getsid(p.pid) == sid) or any(
-                    str(temp_dir) in a for a in (p.info["cmdline"] or [])):
-                roots.append(p)
-        except (psutil.Error, OSError):
-            pass
-    found: dict[int, psutil.Process] = {}
-    for r in roots:
-        found[r.pid] = r
-        try:
-            for p in r.children(recursive=True):
-                found[p.pid] = p
-        except psutil.Error:
-            pass
-    found.pop(os.getpid(), None)
-    live = []
-    for p in found.values():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                live.append(p)
-        except psutil.Error:
-            pass
-    return live
-
-
-def stop_cluster(temp_dir: Path, sid: int | None, grace_s: float = 5.0) -> None:
-    """Terminate this cluster's processes (see ``cluster_processes``), SIGKILL what is left after ``grace_s``.
-    Several rounds: a process started while the first round ran is caught by the next."""
-    for _ in range(3):
-        procs = cluster_processes(temp_dir, sid)
-        if not procs:
-            return
-        end_processes(procs, grace_s)
 
 
 @pytest.fixture()
