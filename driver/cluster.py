@@ -165,15 +165,48 @@ def resources_line(res: dict) -> str:
     return f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs"
 
 
-def job_env_vars() -> dict[str, str] | None:
-    """The runtime-env variables of the ``ray job submit`` job this driver runs in, or None outside a job."""
+def job_runtime_env() -> dict[str, Any] | None:
+    """The runtime env of the ``ray job submit`` job this driver runs in ({} when unreadable), or None outside a
+    job."""
     raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
     if raw is None:
         return None
     try:
-        return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
-    except (ValueError, AttributeError):
+        return dict(json.loads(raw).get("runtime_env") or {})
+    except (ValueError, AttributeError, TypeError):
         return {}
+
+
+def job_env_vars() -> dict[str, str] | None:
+    """The runtime-env variables of the ``ray job submit`` job this driver runs in, or None outside a job."""
+    runtime_env = job_runtime_env()
+    if runtime_env is None:
+        return None
+    try:
+        return dict(runtime_env.get("env_vars") or {})
+    except (ValueError, TypeError):
+        return {}
+
+
+def check_job_paths(cfg: Config, nodes: list[dict], runtime_env: dict[str, Any] | None) -> None:
+    """Under ``ray job submit --working-dir`` on a cluster of more than one node, every path the actors read or
+    write must be absolute: each node unpacks the working dir into a copy of its own, so a relative path (the
+    quickstart's ``runs/quickstart/model``, which the driver builds in its copy) names another folder, or none, on
+    every other node, and the learner or a rollout actor fails to load it. One ``InputError`` naming the keys.
+    ``runtime_env``: the job's (``job_runtime_env``; None outside a job)."""
+    if not runtime_env or not runtime_env.get("working_dir") or sum(bool(n.get("Alive")) for n in nodes) < 2:
+        return
+    d = cfg.data
+    paths = {"run.output_dir": [cfg.run.output_dir], "model.path": [cfg.model.path], "data.world_dir": [d.world_dir],
+             "data.train_files": list(d.train_files), "data.test_files": list(d.test_files),
+             "data.corpus_file": [d.corpus_file]}
+    relative = [f"{key}={p}" for key, ps in paths.items() for p in ps if p and not Path(str(p)).is_absolute()]
+    if relative:
+        n = sum(bool(x.get("Alive")) for x in nodes)
+        raise InputError(f"{', '.join(relative)}: relative under `ray job submit --working-dir` on a cluster of {n} "
+                         "nodes, where each node resolves it in its own copy of the working dir (the driver's files "
+                         "are in its copy only); give absolute paths that every node reads, on a filesystem all of "
+                         "them mount at one path (docs/OPERATIONS.md, \"A cluster of several machines\")")
 
 
 def ray_init(cfg: Config) -> None:

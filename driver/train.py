@@ -51,8 +51,8 @@ from async_agent_rl.stats import (
 from async_agent_rl.weight_group import backend_for
 from buffer.actor import SNAPSHOT_FILE, create_buffer_actor
 from driver.cluster import (
-    actor_node, check_actors_fit, check_address, check_machines, check_placement, link_ray_logs, node_gone, ray_init,
-    resources_line,
+    actor_node, check_actors_fit, check_address, check_job_paths, check_machines, check_placement, job_runtime_env,
+    link_ray_logs, node_gone, ray_init, resources_line,
 )
 from driver.console import LOG_FILE, LearningSignals, RunLog, closing_lines, duration, eval_brief
 from driver.fleet import SETTLE_S, Fleet, run_totals
@@ -384,6 +384,7 @@ class Trainer:
             check_actors_fit(cfg, ray.cluster_resources())
         check_placement(cfg, ray.nodes())  # the nodes cluster.*_resources name: before any actor waits for them
         check_machines(cfg, ray.nodes(), ray.util.get_node_ip_address())  # loopback-only parts, several machines
+        check_job_paths(cfg, ray.nodes(), job_runtime_env())  # a job's relative paths, several nodes
         link_ray_logs(self.run_dir / "ray_logs")
         # The slow starts overlap, each mostly one core: the learner ranks (DeepSpeed) start in a thread while the
         # retriever server builds its index and the rollout actors start their engines (which need its URL). On

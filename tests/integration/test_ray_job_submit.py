@@ -1,4 +1,6 @@
-"""``ray job submit`` against a real ``ray start --head`` cluster: a short training runs to completion as a job.
+"""``ray job submit`` against a real ``ray start`` cluster of two nodes (a head, and a second raylet joined with
+``ray start --address`` and a temp dir of its own, as another machine would): a short training runs to completion
+as a job, the rollout actor on the second node, and the quickstart's relative paths are refused in one line.
 
 The cluster is this test's own: ``ray start --head`` from the venv (so the job's bare ``async-agent-rl`` is the
 venv's), its own ``--temp-dir`` and free ports, the dashboard (job server) on 127.0.0.1, and Ray's token
@@ -82,14 +84,21 @@ def ray_cluster():
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_AUTH_TOKEN", None)
-    dash = free_port()
-    cmd = [ray_cli(), "start", "--head", f"--port={free_port()}", "--num-cpus=2", "--include-dashboard=true",
+    dash, gcs = free_port(), free_port()
+    cmd = [ray_cli(), "start", "--head", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
            f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
            f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
            f"--runtime-env-agent-port={free_port()}", f"--node-manager-port={free_port()}",
-           f"--object-manager-port={free_port()}", "--disable-usage-stats"]
-    sid = None
+           f"--object-manager-port={free_port()}", "--disable-usage-stats", '--resources={"trainer": 2}']
+    # a second node (a raylet of its own, joining the head as a machine of its own would) for the rollout actor
+    worker = [ray_cli(), "start", f"--address=127.0.0.1:{gcs}", "--num-cpus=1", '--resources={"rollout": 1}',
+              f"--temp-dir={temp_dir / 'n2'}",  # its own, as another machine's: its own copy of a job's working dir
+              f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+              f"--runtime-env-agent-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+              f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
+              "--disable-usage-stats"]
+    sid = worker_sid = None
     try:
         # its own session, so that every daemon it leaves behind can be found (and only those)
         start = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -100,6 +109,14 @@ def ray_cluster():
         except subprocess.TimeoutExpired:
             pytest.fail("`ray start --head` did not return within 180 s")
         assert start.returncode == 0, f"`ray start --head` exited {start.returncode}:\n{out[-4000:]}"
+        join = subprocess.Popen(worker, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, stdin=subprocess.DEVNULL, start_new_session=True)  # a session of its own
+        worker_sid = join.pid
+        try:
+            out, _ = join.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail("`ray start --address` (the second node) did not return within 180 s")
+        assert join.returncode == 0, f"`ray start --address` exited {join.returncode}:\n{out[-4000:]}"
         url = f"http://127.0.0.1:{dash}"
         deadline = time.monotonic() + 90
         while True:  # the job server answers once `ray job list` does
@@ -118,8 +135,9 @@ def ray_cluster():
             assert res.returncode != 0 and "Authentication" in res.stdout + res.stderr, res.stdout + res.stderr
         yield url, env, temp_dir
     finally:
+        stop_cluster(temp_dir, worker_sid)
         stop_cluster(temp_dir, sid)
-        left = cluster_processes(temp_dir, sid)
+        left = cluster_processes(temp_dir, sid) + cluster_processes(temp_dir, worker_sid)
         shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"cluster processes still alive after teardown: {[p.pid for p in left]}"
 
@@ -140,28 +158,13 @@ def job_status(url: str, job_id: str, env: dict) -> str:
     return m.group(1) if m else f"UNKNOWN ({res.returncode}: {text[-500:]})"
 
 
-def test_ray_job_submit_runs_a_short_training_to_completion(ray_cluster, tmp_path):
-    url, env, temp_dir = ray_cluster
-    out_dir = tmp_path / "runs"
-    run_dir = out_dir / "job"
-    job_id = f"aar-train-{uuid.uuid4().hex[:8]}"
-    # The documented command with a short run's overrides. The job's cwd is Ray's unpacked copy of the working
-    # dir: the output folder is given as an absolute path (as docs/OPERATIONS.md says), while the quickstart's
-    # relative world and model paths are built by the job inside that copy.
-    entrypoint = [
-        "async-agent-rl", "train", "--config", "configs/quickstart.yaml",
-        "run.name=job", f"run.output_dir={out_dir}",
-        f"learner.total_steps={TOTAL_STEPS}", "learner.batch_size=16", "learner.mini_batch_size=16",
-        "learner.micro_batch_size=8", "eval.num_questions=8", "sft.enabled=false", "monitoring.log_every_s=1",
-        "cluster.ray_address=auto",
-        "buffer.group_filter_max_streak=4",  # the random-init policy never scores: the filter must stand aside
-    ]
-    submitted = time.time()
-    submit = [ray_cli(), "job", "submit", "--address", url, "--working-dir", ".", "--submission-id", job_id,
-              "--no-wait", "--", *entrypoint]
-    res = run(submit, env, timeout_s=120)
+def submit(url: str, env: dict, job_id: str, entrypoint: list[str]) -> tuple[str, str]:
+    """Submit ``entrypoint`` as job ``job_id`` with the repository as its working dir, wait for it to end; returns
+    its final status and its log."""
+    cmd = [ray_cli(), "job", "submit", "--address", url, "--working-dir", ".", "--submission-id", job_id,
+           "--no-wait", "--", *entrypoint]
+    res = run(cmd, env, timeout_s=120)
     assert job_id in res.stdout + res.stderr
-
     status, deadline = "PENDING", time.monotonic() + JOB_TIMEOUT_S
     while status not in TERMINAL and time.monotonic() < deadline:
         time.sleep(3)
@@ -170,10 +173,58 @@ def test_ray_job_submit_runs_a_short_training_to_completion(ray_cluster, tmp_pat
     if status not in TERMINAL:
         run([ray_cli(), "job", "stop", "--address", url, "--no-wait", job_id], env, timeout_s=60, check=False)
         pytest.fail(f"job {job_id} not finished after {JOB_TIMEOUT_S} s (status {status}); log tail:\n{logs[-6000:]}")
-    assert status == "SUCCEEDED", f"job {job_id} ended {status}; log tail:\n{logs[-6000:]}"
+    return status, ANSI.sub("", logs)
 
-    # the driver connected to this cluster (cluster.ray_address=auto) and trained to the end
+
+def test_ray_job_submit_runs_a_short_training_to_completion(ray_cluster, tmp_path):
+    """On a cluster of two nodes (the learner and buffer on the head, the rollout actor on the other, placed by
+    resources as on several machines): the quickstart's relative paths are refused in one error line (each node
+    resolves them in its own copy of the working dir), and the documented command with absolute paths trains to
+    the end."""
+    url, env, temp_dir = ray_cluster
+    out_dir = tmp_path / "runs"
+    run_dir = out_dir / "job"
+    shared = tmp_path / "shared"  # model and world at absolute paths, as on a filesystem every node mounts
+    # The documented command with a short run's overrides. The job's cwd is Ray's unpacked copy of the working dir
+    # on the driver's node: every path is given absolute (docs/OPERATIONS.md), and the job builds the world and the
+    # model there itself.
+    entrypoint = [
+        "async-agent-rl", "train", "--config", "configs/quickstart.yaml",
+        "run.name=job", f"run.output_dir={out_dir}",
+        f"learner.total_steps={TOTAL_STEPS}", "learner.batch_size=16", "learner.mini_batch_size=16",
+        "learner.micro_batch_size=8", "eval.num_questions=8", "sft.enabled=false", "monitoring.log_every_s=1",
+        "cluster.ray_address=auto",
+        "buffer.group_filter_max_streak=4",  # the random-init policy never scores: the filter must stand aside
+        # placed as on a cluster of several machines (docs/OPERATIONS.md): learner and buffer on the head, the
+        # rollout actor on the other node
+        "cluster.rollout_resources={rollout: 1}", "cluster.learner_resources={trainer: 1}",
+        "cluster.buffer_resources={trainer: 1}",
+    ]
+    paths = [f"model.path={shared}/model", f"data.world_dir={shared}/world",
+             f"data.train_files=[{shared}/world/train.parquet]", f"data.test_files=[{shared}/world/test.parquet]",
+             f"data.corpus_file={shared}/world/corpus.jsonl"]
+
+    # the quickstart's relative model and data paths: refused before any actor starts, in one line
+    status, logs = submit(url, env, f"aar-relative-{uuid.uuid4().hex[:8]}", [*entrypoint, "run.name=relative"])
+    errors = [x for x in logs.splitlines() if x.startswith("error:")]
+    assert status == "FAILED" and len(errors) == 1 and "Traceback" not in logs, logs[-4000:]
+    assert errors[0].startswith("error: model.path=runs/quickstart/model, data.world_dir=runs/quickstart/world, ") \
+        and "on a cluster of 2 nodes" in errors[0], errors[0]
+
+    job_id = f"aar-train-{uuid.uuid4().hex[:8]}"
+    submitted = time.time()
+    status, logs = submit(url, env, job_id, [*entrypoint, *paths])
+    assert status == "SUCCEEDED", f"job {job_id} ended {status}; log:\n{logs[:4000]}\n...\n{logs[-4000:]}"
+
+    # the driver connected to this cluster (cluster.ray_address=auto) and trained to the end, its rollout actor on
+    # the second node: weights and trajectories crossed between raylets (object stores of their own)
     assert "[done]" in logs, logs[-3000:]
+    nodes = run([ray_cli(), "list", "nodes", "--address", url, "--format", "json", "--detail"], env, timeout_s=60).stdout
+    nodes = json.loads(nodes[nodes.index("["):])
+    second = [n["node_id"] for n in nodes if not n.get("is_head_node") and n.get("state") == "ALIVE"]
+    assert len(nodes) == 2 and len(second) == 1, nodes
+    placed = re.search(r"rollout actors \[\{'index': 0, 'node': '([0-9a-f]+)'", logs)
+    assert placed and second[0].startswith(placed.group(1)), (placed and placed.group(0), second)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == TOTAL_STEPS and summary["episodes"] > 0, summary
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -196,6 +247,6 @@ def test_ray_job_submit_runs_a_short_training_to_completion(ray_cluster, tmp_pat
         assert not (pkg / excluded).exists(), f"{excluded} was uploaded with --working-dir ."
     uploaded = sum(f.stat().st_size for f in pkg.rglob("*") if f.is_file() and "runs" not in f.relative_to(pkg).parts)
     assert uploaded < 20 * 2**20, f"working dir upload is {uploaded / 2**20:.1f} MiB"
-    built = pkg / "runs" / "quickstart" / "model" / "config.json"
+    built = shared / "model" / "config.json"
     assert built.is_file() and built.stat().st_mtime >= submitted, "the job should have built the tiny model itself"
     assert sorted(p.name for p in (pkg / "runs").iterdir()) == ["quickstart"], list((pkg / "runs").iterdir())

@@ -3,6 +3,8 @@ before anything starts (Ray leaves an actor it cannot place pending for ever).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from async_agent_rl.config import ConfigError, load_config
@@ -122,3 +124,28 @@ def test_a_run_on_several_machines_is_refused_what_listens_on_loopback():
                                       "cluster.learner_resources={}", "cluster.buffer_resources={}"]), MACHINES, HEAD)
     # two learner ranks kept on one machine by a resource only it offers
     check_machines(load_config(None, [*ACROSS, "learner.num_ranks=2"]), MACHINES, HEAD)
+
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+
+
+def test_a_job_on_several_nodes_is_refused_relative_paths():
+    from driver.cluster import check_job_paths
+
+    quickstart = load_config(QUICKSTART, [])  # relative model and data paths, built by the driver
+    two = [node("aaaaaaaa", CPU=2), node("bbbbbbbb", CPU=1)]
+    job = {"working_dir": "gcs://_ray_pkg_0123.zip", "env_vars": {}}
+    with pytest.raises(InputError) as e:
+        check_job_paths(quickstart, two, job)
+    line = error_line(e.value)
+    assert line.startswith("error: run.output_dir=runs, model.path=runs/quickstart/model, data.world_dir=runs/quickstart"
+                           "/world, data.train_files=runs/quickstart/world/train.parquet, "), line
+    assert "on a cluster of 2 nodes" in line
+    check_job_paths(quickstart, two, None)  # not a job: the actors share the driver's folder
+    check_job_paths(quickstart, two, {"env_vars": {}})  # a job without a working dir
+    check_job_paths(quickstart, [two[0], node("bbbbbbbb", alive=False, CPU=1)], job)  # one live node
+    absolute = load_config(QUICKSTART, [
+        "run.output_dir=/shared/runs", "model.path=/shared/model", "data.world_dir=/shared/world",
+        "data.train_files=[/shared/world/train.parquet]", "data.test_files=[/shared/world/test.parquet]",
+        "data.corpus_file=/shared/world/corpus.jsonl"])
+    check_job_paths(absolute, two, job)
