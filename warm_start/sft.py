@@ -58,7 +58,8 @@ INPUTS_FILE = "warm_start_inputs.json"
 RETRIEVER_KEYS = ("backend", "topk", "index_dir", "dense_model", "faiss_index", "query_prefix", "passage_prefix")
 
 
-SFT_DEFAULTS = {("threads", 0), ("pretrain_questions_per_doc", 1), ("guess_value_loss", True)}  # left out of warm_start_inputs at these values
+SFT_DEFAULTS = {("threads", 0), ("pretrain_questions_per_doc", 1), ("guess_value_loss", True),
+                ("frozen_embeddings", "names")}  # left out of warm_start_inputs at these values
 
 
 def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
@@ -390,6 +391,14 @@ def entity_token_ids(tokenizer: Any, titles: Iterable[str]) -> list[int]:
     return sorted(ids)
 
 
+def frozen_token_ids(cfg: Config, tokenizer: Any, model: Any, titles: Iterable[str]) -> list[int]:
+    """The embedding rows the demonstrations stage keeps fixed (``sft.frozen_embeddings``): the tokens of entity
+    names (``entity_token_ids`` of ``titles``), or every row of the model's input embeddings."""
+    if cfg.sft.frozen_embeddings == "all":
+        return list(range(model.get_input_embeddings().weight.shape[0]))
+    return entity_token_ids(tokenizer, titles)
+
+
 def freeze_embedding_rows(model: Any, token_ids: Sequence[int]) -> None:
     """Zero the gradient of these rows of the input and output embeddings (one tensor when tied). With AdamW and
     no weight decay a row whose gradient is always zero never moves."""
@@ -620,7 +629,7 @@ def run_sft(
                     bar.close(_mean_last(pre_losses), f"threads {_counts_text(kept['pretrain'])}")
             pretrain_seconds = time.perf_counter() - t_pre
 
-            frozen = entity_token_ids(tokenizer, titles) if freeze_entity_embeddings else []
+            frozen = frozen_token_ids(cfg, tokenizer, model, titles) if freeze_entity_embeddings else []
             if frozen:
                 freeze_embedding_rows(model, frozen)
             plan = epoch_batches([d.total_length for d in demos], s.batch_size, s.epochs, s.seed)
@@ -731,7 +740,7 @@ def continue_sft(
     out, tokenizer, model, pad_id = _start(warm_start_dir, out_dir, s.seed)
     frozen: list[int] = []
     if s.pretrain_steps > 0:  # frozen as in run_sft: names are frozen only after pretraining
-        frozen = entity_token_ids(tokenizer, [p.title for p in read_corpus(cfg.data.corpus_file)])
+        frozen = frozen_token_ids(cfg, tokenizer, model, [p.title for p in read_corpus(cfg.data.corpus_file)])
         freeze_embedding_rows(model, frozen)
 
     drawn = {"rounds": 0, "demos": 0, "seconds": 0.0}

@@ -185,6 +185,25 @@ def test_sft_is_deterministic_and_keeps_entity_embeddings_frozen(setup, tmp_path
     assert tag not in frozen and not torch.equal(after[tag], before[tag])
 
 
+def test_with_every_embedding_frozen_only_the_layers_learn(setup, tmp_path):
+    """``sft.frozen_embeddings: all``: the demonstrations stage keeps every embedding row (and the tied output
+    head) as it was and still learns, in the layers."""
+    cfg, tok, _, demos, _, _ = setup
+    short = cfg.model_copy(deep=True)
+    short.sft.epochs = 1
+    short.sft.frozen_embeddings = "all"
+    got = run_sft(short, cfg.model.path, tmp_path / "all", demos=demos[:32], pretrain_steps=0,
+                  freeze_entity_embeddings=True, log_every=0)
+    before, after = _model(cfg.model.path), _model(tmp_path / "all")
+    rows = before.get_input_embeddings().weight.shape[0]
+    assert got["frozen_rows"] == rows
+    assert torch.equal(after.get_input_embeddings().weight, before.get_input_embeddings().weight)
+    assert torch.equal(after.get_output_embeddings().weight, before.get_output_embeddings().weight)
+    wb, wa = before.state_dict(), after.state_dict()
+    moved = [k for k in wa if "layers." in k and not torch.equal(wa[k], wb[k])]
+    assert len(moved) > 10, moved
+
+
 def test_the_warm_start_computes_the_same_weights_at_one_and_at_two_threads(setup, tmp_path):
     """``ThreadTuner`` picks torch's thread count from step times (a timing-dependent choice): it may change only
     how fast the warm start runs, never what it computes, or two machines (or two runs on one loaded machine) get
