@@ -83,3 +83,12 @@ def test_the_tiers_are_registered_and_markers_strict():
 ])  # fmt: skip
 def test_tiers_of_reads_the_module_level_pytestmark(source, expected):
     assert tiers_of(source) == expected
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports test modules by their file name (rootdir-relative ``prepend`` import mode, no packages):
+    two files of one name in different folders stop the whole collection ("import file mismatch")."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert not {n: ps for n, ps in names.items() if len(ps) > 1}
