@@ -412,11 +412,11 @@ class SFTConfig(_Section):
     expert_search_prob: float = Field(
         1.0, ge=0.0, le=1.0, description="share of demonstrations in which the scripted expert searches; the rest "
         "answer at once with a guess (the relation's most common train answer), as a model answering from memory does")
-    frozen_embeddings: Literal["names", "all"] = Field(
+    frozen_embeddings: Literal["names", "corpus", "all"] = Field(
         "names", description="embedding rows kept fixed in the demonstrations stage after pretraining: the tokens of "
-        "entity names (the corpus titles), or every row, so a value (a year's digits, an occupation) can be produced "
-        "only by the layers, as a copy of what the observation shows, not by moving its own embedding toward the "
-        "train questions that ask for it")
+        "entity names (the corpus titles); every token of the corpus passages (names and every value: a year's "
+        "digits, an occupation), so a value can be produced only by the layers, as a copy of what the observation "
+        "shows, while the turns' own words still train; or every row")
     guess_value_loss: bool = Field(
         True, description="train the guessed value of a guess demonstration (sft.expert_search_prob < 1) as a target; "
         "false masks the value's tokens out of the loss, so the warm start learns when a guess is made but not what "

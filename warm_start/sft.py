@@ -393,10 +393,17 @@ def entity_token_ids(tokenizer: Any, titles: Iterable[str]) -> list[int]:
 
 def frozen_token_ids(cfg: Config, tokenizer: Any, model: Any, titles: Iterable[str]) -> list[int]:
     """The embedding rows the demonstrations stage keeps fixed (``sft.frozen_embeddings``): the tokens of entity
-    names (``entity_token_ids`` of ``titles``), or every row of the model's input embeddings."""
+    names (``entity_token_ids`` of ``titles``), every token of the corpus passages, or every row of the model's
+    input embeddings."""
     if cfg.sft.frozen_embeddings == "all":
         return list(range(model.get_input_embeddings().weight.shape[0]))
-    return entity_token_ids(tokenizer, titles)
+    names = entity_token_ids(tokenizer, titles)
+    if cfg.sft.frozen_embeddings == "corpus":
+        from async_agent_rl.data.corpus import read_corpus
+
+        texts = [p.contents for p in read_corpus(cfg.data.corpus_file)]
+        return sorted(set(names) | {i for ids in encode_texts(tokenizer, texts) for i in ids})
+    return names
 
 
 def freeze_embedding_rows(model: Any, token_ids: Sequence[int]) -> None:

@@ -204,6 +204,24 @@ def test_with_every_embedding_frozen_only_the_layers_learn(setup, tmp_path):
     assert len(moved) > 10, moved
 
 
+def test_frozen_corpus_rows_are_every_passage_token_and_not_the_turns_own_words(setup, tiny_model_dir):
+    """``sft.frozen_embeddings: corpus``: names, values (a year's digits, an occupation) and the passages' words are
+    fixed; the tags and the words only the expert's turns use still train."""
+    from warm_start.sft import frozen_token_ids
+
+    cfg, tok, _, _, _, backend = setup
+    corpus = cfg.model_copy(deep=True)
+    corpus.sft.frozen_embeddings = "corpus"
+    model = _model(tiny_model_dir)
+    rows = set(frozen_token_ids(corpus, tok, model, [p.title for p in backend.passages]))
+    names = set(entity_token_ids(tok, [p.title for p in backend.passages]))
+    assert names < rows < set(range(model.get_input_embeddings().weight.shape[0]))
+    passage = backend.passages[-1].contents
+    assert set(tok.encode(passage, add_special_tokens=False)) <= rows
+    for own in ("<search>", "<answer>", "<think>"):
+        assert tok.convert_tokens_to_ids(own) not in rows
+
+
 def test_the_warm_start_computes_the_same_weights_at_one_and_at_two_threads(setup, tmp_path):
     """``ThreadTuner`` picks torch's thread count from step times (a timing-dependent choice): it may change only
     how fast the warm start runs, never what it computes, or two machines (or two runs on one loaded machine) get
