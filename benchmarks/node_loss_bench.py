@@ -120,13 +120,15 @@ RAY_DEAD = "(raylet) The node with node id: "  # Ray's own line when its health 
 
 def run_line(line: str) -> str | None:
     """The line as kept in the result: the run's own lines, and Ray's line declaring a node dead (its colour codes
-    taken out); None for what Ray forwards from the workers' logs (engine logs, raylet state dumps)."""
+    taken out); None for what Ray forwards from the workers' logs (engine logs, raylet state dumps). A line of the
+    run's onto which a forwarded line was written (the driver's print and Ray's log thread share stdout) is kept up
+    to the forwarded part."""
     plain = ANSI.sub("", line)
     if plain.startswith(RAY_DEAD):
         return plain[:160]
-    if not plain.strip() or plain[0] in " \t(" or plain != line:
+    if not line.strip() or line[0] in " \t(\x1b":
         return None
-    return line
+    return line.split("\x1b", 1)[0].rstrip()
 
 
 def step_of(line: str) -> int | None:
