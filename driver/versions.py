@@ -109,6 +109,10 @@ class PolicyVersions:
         if weights is not None:
             ask(actor.update_weights.remote(self.version, weights), self.cfg.cluster.actor_timeout_s,
                 f"rollout actor {index}, just restarted,")
+            # the actor a failed publish missed runs the current weights now: that failure is mended, and a later
+            # one (another actor lost a step after) starts a count of its own. Before, two rollout nodes lost one
+            # step apart were two publish failures "in a row", and a third loss would have ended the run.
+            self.publish_failures = 0
         self.publisher.member_restarted()
         if republish:
             self._bump()

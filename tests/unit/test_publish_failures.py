@@ -58,3 +58,33 @@ def test_publishes_that_keep_failing_end_the_run_in_one_error_line(tmp_path):
     assert error_line(info.value) == (f"error: weight publish failed {PUBLISH_FAILURES_FATAL} times in a row (the "
                                       "engines keep older weights while the learner moves on); the last: OSError: [Errno 28] "
                                       "No space left on device")
+
+
+def test_a_restarted_actor_brought_up_to_date_mends_the_failures_before_it(tmp_path, monkeypatch):
+    """Two rollout nodes lost one step apart (benchmarks/results/node_loss/): each loss fails one publish, and the
+    actor of the first is restarted and given the current weights in between. The second failure counts from 1:
+    the first was mended; before, it counted 2 "in a row" and a third loss ended the run."""
+    import driver.versions as versions
+
+    class Restarted:  # Ray's call shape: actor.update_weights.remote(version, weights)
+        class update_weights:  # noqa: N801
+            @staticmethod
+            def remote(version, weights):
+                return ("updated", version)
+
+    class Publisher(FlakyPublisher):
+        def member_restarted(self):
+            pass
+
+    asked = []
+    monkeypatch.setattr(versions, "ask", lambda ref, timeout_s, what: asked.append(ref))
+    t = versions_with(tmp_path, Publisher({1, 2, 3}, OSError("actor died")))
+    t.weights_ref = "weights of the current version"
+    t.version = 1
+    assert t.publish() is None and t.publish_failures == 1
+    t.catch_up(Restarted(), 0)  # the first lost actor, restarted with the current weights
+    assert asked == [("updated", 1)] and t.publish_failures == 0
+    for version in (2, 3):  # the next losses: counted from the mended one, the run goes on
+        t.version = version
+        assert t.publish() is None
+    assert t.publish_failures == 2
