@@ -180,9 +180,21 @@ def wait_for_count(run: Run, prefix: str, n: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def left_behind(seen: dict[int, str]) -> list[str]:
-    return [f"{pid} {cmd}" for pid, cmd in seen.items() if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+def left_behind(seen: dict[int, str], grace_s: float = 15.0) -> list[str]:
+    """The processes of ``seen`` still alive (not zombies) once the run's processes have had ``grace_s`` to go:
+    polled, so the usual case (all gone in a few seconds) does not wait the whole grace."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = []
+        for pid, cmd in seen.items():
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"{pid} {cmd}")
+            except psutil.Error:  # gone
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 def last_checkpoint(run_dir: Path) -> Path:
@@ -238,7 +250,6 @@ def test_every_recoverable_fault_is_recovered_one_after_another_in_one_run(tmp_p
         seen |= {p.pid: describe(p) for p in tree(run.proc.pid)}
         rc = run.finish(timeout_s=WATCHDOG_S + 240)
         verify_manifest(last_checkpoint(run_dir))
-        time.sleep(15)  # the run's processes have a few seconds to go
         left = left_behind(seen)
     finally:
         run.kill()
@@ -298,7 +309,6 @@ def test_a_fault_that_ends_the_run_ends_it_in_one_error_line(name, tmp_path, wor
         ended = time.monotonic() - injected
         verify_manifest(run_dir / "checkpoints" / "step_000002")  # the last good checkpoint is intact
         partial = [d.name for d in (run_dir / "checkpoints").iterdir() if d.name.endswith(".tmp")]
-        time.sleep(15)  # the run's processes have a few seconds to go
         left = left_behind(seen)
     finally:
         run.kill()
