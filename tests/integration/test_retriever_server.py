@@ -206,14 +206,16 @@ class SlowBackend:
 
 
 async def test_event_loop_keeps_serving_during_a_slow_backend_call(backend):
-    with start_server_in_thread(SlowBackend(backend, 1.0), RetrieverConfig(batch_window_ms=0)) as srv:
+    """/health answers while a 3-second search is still running: the search runs off the event loop. (The answer's
+    own time is not asserted tightly: on a loaded 2-core machine it took 0.51 s once, against a 0.5 s limit.)"""
+    with start_server_in_thread(SlowBackend(backend, 3.0), RetrieverConfig(batch_window_ms=0)) as srv:
         async with aiohttp.ClientSession() as session:
             slow = asyncio.create_task(session.post(f"{srv.url}/retrieve", json={"queries": ["music"]}))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.2)
             start = time.perf_counter()
             async with session.get(f"{srv.url}/health") as resp:
                 assert resp.status == 200
-            assert time.perf_counter() - start < 0.5
+            assert not slow.done() and time.perf_counter() - start < 2.0  # answered during the search
             async with await slow as resp:
                 assert resp.status == 200
 
