@@ -242,9 +242,16 @@ class EngineHost:
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Ray's "clusters off" switch: the driver sets it in its own process before starting a local cluster
+# (``driver.cluster.loopback_only``), so it is in ``os.environ`` of a test process that ran a training in-process
+# before; a `ray start --address` (a second node) with it set refuses to start.
+CLUSTERS_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def plain_env() -> dict[str, str]:
-    """This environment without Ray's auth and address variables: a run in it starts a local cluster of its own."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    """This environment without Ray's auth and address variables and without the clusters switch an in-process
+    training left set: a run in it starts a local cluster of its own, a `ray start` in it may join another node."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", CLUSTERS_SWITCH))}
 
 
 class Run:

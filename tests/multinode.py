@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import plain_env
+
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 240.0
@@ -133,8 +135,7 @@ class LocalNodes:
         token = self.temp_dir / "auth_token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
-        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))},
-                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PYTHONUNBUFFERED": "1"}
+        self.env = {**plain_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PYTHONUNBUFFERED": "1"}
         spec = {"temp_dir": str(self.temp_dir), "head": self.head, "nodes": self.nodes}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.multinode", json.dumps(spec)], cwd=REPO,
                                      env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

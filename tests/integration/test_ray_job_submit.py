@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cluster_processes, stop_cluster
+from tests.helpers import cluster_processes, plain_env, stop_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +71,21 @@ def run(cmd: list[str], env: dict, timeout_s: float, cwd: Path = REPO,
     return res
 
 
+def start_node(cmd: list[str], env: dict) -> subprocess.Popen:
+    """A `ray start` in a session of its own: every daemon it leaves behind stays in that session (``pid``)."""
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def started(proc: subprocess.Popen, what: str) -> None:
+    """Fail unless the `ray start` of ``proc`` returned 0 within 180 s."""
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} did not return within 180 s")
+    assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{out[-4000:]}"
+
+
 @pytest.fixture()
 def ray_cluster():
     """A head node of our own: ``(dashboard_url, env, temp_dir)``; torn down whatever happens."""
@@ -79,11 +94,9 @@ def ray_cluster():
     token = temp_dir / "auth_token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+    env = {**plain_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(VENV_BIN.parent),
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    env.pop("RAY_ADDRESS", None)
-    env.pop("RAY_AUTH_TOKEN", None)
     dash, gcs = free_port(), free_port()
     cmd = [ray_cli(), "start", "--head", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
@@ -100,23 +113,12 @@ def ray_cluster():
               "--disable-usage-stats"]
     sid = worker_sid = None
     try:
-        # its own session, so that every daemon it leaves behind can be found (and only those)
-        start = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        sid = start.pid
-        try:
-            out, _ = start.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            pytest.fail("`ray start --head` did not return within 180 s")
-        assert start.returncode == 0, f"`ray start --head` exited {start.returncode}:\n{out[-4000:]}"
-        join = subprocess.Popen(worker, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, stdin=subprocess.DEVNULL, start_new_session=True)  # a session of its own
+        head = start_node(cmd, env)
+        sid = head.pid  # every daemon it leaves behind can be found (and only those)
+        started(head, "`ray start --head`")
+        join = start_node(worker, env)
         worker_sid = join.pid
-        try:
-            out, _ = join.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            pytest.fail("`ray start --address` (the second node) did not return within 180 s")
-        assert join.returncode == 0, f"`ray start --address` exited {join.returncode}:\n{out[-4000:]}"
+        started(join, "`ray start --address` (the second node)")
         url = f"http://127.0.0.1:{dash}"
         deadline = time.monotonic() + 90
         while True:  # the job server answers once `ray job list` does
