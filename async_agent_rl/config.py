@@ -405,6 +405,12 @@ class SFTConfig(_Section):
         1, ge=1, description="pretrain_questions: reading exercises per document shown (drawn without repeats from "
         "the questions about the shown documents): 1 asks about one fact of each on average, 4 about every fact of "
         "a person")
+    pretrain_packing: Literal["windows", "texts"] = Field(
+        "windows", description="how pretraining cuts its batches: 'windows' = random fixed-length windows of the "
+        "concatenated texts (a window often holds a reading exercise but not the passage it asks about: measured "
+        "on the quickstart world, 70% of the exercises a 128-token window holds lack their passage, and teach a "
+        "guess); 'texts' = whole observations, one per row, right-padded, so every exercise is answerable from "
+        "what the row shows")
     shuffled_copies: int = Field(
         0, ge=0, description="embedded world only: draw the demonstrations from this many fact-shuffled copies of "
         "the world (train subjects, each copy with its own index) instead of the true train facts, so the warm "

@@ -59,7 +59,7 @@ RETRIEVER_KEYS = ("backend", "topk", "index_dir", "dense_model", "faiss_index", 
 
 
 SFT_DEFAULTS = {("threads", 0), ("pretrain_questions_per_doc", 1), ("guess_value_loss", True),
-                ("frozen_embeddings", "names")}  # left out of warm_start_inputs at these values
+                ("frozen_embeddings", "names"), ("pretrain_packing", "windows")}  # left out of warm_start_inputs at these values
 
 
 def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
@@ -334,6 +334,35 @@ def pretrain_windows(data: Tensor, steps: int, batch_size: int, seq_len: int, se
         yield data[starts[:, None] + offsets]
 
 
+def pretrain_rows(texts: Sequence[list[int]], steps: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """The text indices of every pretraining step when whole texts are the rows (``sft.pretrain_packing: texts``):
+    seeded shuffles of all texts, one after another, cut into ``batch_size`` rows; fixed by (texts, seed) alone."""
+    if not texts:
+        raise ValueError("pretraining needs at least one text")
+    rng = random.Random(seed)
+    order: list[int] = []
+    for _ in range(steps):
+        while len(order) < batch_size:
+            more = list(range(len(texts)))
+            rng.shuffle(more)
+            order += more
+        yield order[:batch_size]
+        order = order[batch_size:]
+
+
+def padded_rows(rows: Sequence[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``(input_ids, targets)``: the rows right-padded with ``pad_id``; the targets are the next tokens, -100 (no
+    loss) where the next token is padding. Right padding needs no attention mask: a causal model never lets a real
+    token see the padding after it."""
+    width = max(len(r) for r in rows)
+    x = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width - 1), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        x[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        targets[i, : len(r) - 1] = x[i, 1 : len(r)]
+    return x, targets
+
+
 def pretrain_on_texts(
     model: Any,
     tokenizer: Any,
@@ -348,25 +377,37 @@ def pretrain_on_texts(
     *,
     threads: ThreadTuner | None = None,
     progress: Progress | None = None,
+    packing: str = "windows",
 ) -> list[float]:
-    """Plain next-token LM on ``texts`` (every token a target): ``steps`` AdamW steps on ``batch_size`` random
-    ``seq_len``-token windows of the concatenated token stream (``pretrain_windows``, seeded); warmup then constant
-    LR. Returns the per-step losses. Used on ``demos.shuffled_world_observations`` (see ``run_sft`` for why).
-    ``threads`` picks torch's thread count step by step (``ThreadTuner``; None: leave it); ``progress`` is updated
-    after every step."""
-    data = token_stream(tokenizer, texts)
+    """Plain next-token LM on ``texts`` (every token a target): ``steps`` AdamW steps on ``batch_size`` rows, each
+    a random ``seq_len``-token window of the concatenated token stream (``packing="windows"``,
+    ``pretrain_windows``) or one whole text, right-padded (``packing="texts"``, ``pretrain_rows``); both seeded;
+    warmup then constant LR. Returns the per-step losses. Used on ``demos.shuffled_world_observations`` (see
+    ``run_sft`` for why). ``threads`` picks torch's thread count step by step (``ThreadTuner``; None: leave it);
+    ``progress`` is updated after every step."""
+    if packing == "texts":
+        encoded = [ids for ids in encode_texts(tokenizer, texts) if len(ids) > 1]
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        batches: Iterator[tuple[Tensor, Tensor]] = (
+            padded_rows([encoded[i] for i in rows], pad_id) for rows in pretrain_rows(encoded, steps, batch_size, seed))
+    elif packing == "windows":
+        data = token_stream(tokenizer, texts)
+        batches = ((x, x[:, 1:]) for x in pretrain_windows(data, steps, batch_size, seq_len, seed))
+    else:
+        raise ValueError(f"unknown pretraining packing {packing!r} (windows or texts)")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     head = model.get_output_embeddings()
     losses: list[float] = []
+    seen = 0
     model.train()
-    for step, x in enumerate(pretrain_windows(data, steps, batch_size, seq_len, seed)):
+    for step, (x, targets) in enumerate(batches):
         t_step = time.perf_counter()
         if threads:
             threads.before_step(step)
         for g in opt.param_groups:
             g["lr"] = lr * lr_factor(step, warmup_steps=warmup_steps, total_steps=steps, schedule="constant")
         hidden = model.base_model(input_ids=x, use_cache=False).last_hidden_state[:, :-1]
-        loss = F.cross_entropy(head(hidden).float().flatten(0, 1), x[:, 1:].flatten())
+        loss = F.cross_entropy(head(hidden).float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -375,7 +416,8 @@ def pretrain_on_texts(
         if threads:
             threads.after_step(time.perf_counter() - t_step, x.numel())
         if progress:
-            progress.update(step + 1, tokens=(step + 1) * x.numel(), loss=losses[-1])
+            seen += x.numel()
+            progress.update(step + 1, tokens=seen, loss=losses[-1])
         if on_step:
             on_step({"stage": "pretrain", "step": step + 1, "loss": losses[-1]})
     return losses
@@ -451,8 +493,11 @@ def _pretrain_texts(cfg: Config, steps: int, batch_size: int, seq_len: int, toke
         )
     questions = dict(questions=cfg.sft.pretrain_questions, questions_per_doc=cfg.sft.pretrain_questions_per_doc)
     one = shuffled_world_observations(world_file, 1, cfg.sft.seed, **questions)
-    per_copy = sum(len(ids) for ids in encode_texts(tokenizer, one))
-    copies = max(1, math.ceil(steps * batch_size * seq_len / per_copy))
+    if cfg.sft.pretrain_packing == "texts":  # one text per row
+        copies = max(1, math.ceil(steps * batch_size / len(one)))
+    else:
+        per_copy = sum(len(ids) for ids in encode_texts(tokenizer, one))
+        copies = max(1, math.ceil(steps * batch_size * seq_len / per_copy))
     return shuffled_world_observations(world_file, copies, cfg.sft.seed, **questions)
 
 
@@ -629,7 +674,7 @@ def run_sft(
                 tuner = threads or ThreadTuner.for_config(cfg.sft.threads)
                 pre_losses = pretrain_on_texts(
                     model, tokenizer, texts, pretrain_steps, s.batch_size, s.lr, s.warmup_steps, s.seed,
-                    PRETRAIN_SEQ_LEN, on_step=record, threads=tuner, progress=bar,
+                    PRETRAIN_SEQ_LEN, on_step=record, threads=tuner, progress=bar, packing=s.pretrain_packing,
                 )
                 kept["pretrain"] = tuner.kept()
                 if bar:
