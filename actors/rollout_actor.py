@@ -225,6 +225,14 @@ class RolloutActor:
         trajs = await run_greedy(self.worker.runner, fitting, self.cfg.rollout.max_concurrent_episodes)
         return score_episodes(trajs, self.worker.runner.tokenizer, skipped_too_long=len(too_long))
 
+    async def evaluate_weights(self, version: int, weights: Mapping[str, Any], files: list[str],
+                               limit: int = 0) -> dict:
+        """Load ``weights`` (policy ``version``) into this actor's engine, then ``evaluate``: the evaluator's one
+        call per evaluation beside training. The engine runs nothing else, so the whole evaluation sees one
+        version."""
+        await self.update_weights(version, weights)
+        return await self.evaluate(files, limit)
+
     def error(self) -> str | None:
         """Why this actor's rollouts ended (``stats().done``): the worker's exception in one line (a failed push,
         a failed report of a lost episode, admission failing), or that they ended; None while they run."""
@@ -254,24 +262,36 @@ class RolloutActor:
         await self.engine.close()
 
 
-def create_rollout_actors(
-    cfg: Config, retriever_url: str, model_path: str, version: int = 0, max_restarts: int = 0
-) -> list[Any]:
-    """Start ``rollout.num_actors`` actors with resources and engine environment from config; ``setup(buffer)`` on
-    each makes it ready (``RolloutActor``: why the buffer is not a constructor argument)."""
+def _actor_class(cfg: Config, max_restarts: int) -> Any:
+    """``RolloutActor`` as a Ray actor class with the resources and engine environment of the config."""
     from actors.engine import cpu_engine_env
 
     env = dict(cfg.cluster.env_vars)
     if cfg.run.device == "cpu":
         env = {**cpu_engine_env(cfg.rollout), **env}
-    actor_cls = ray.remote(
+    return ray.remote(
         num_cpus=cfg.cluster.rollout_actor_cpus,
         num_gpus=cfg.cluster.rollout_actor_gpus,
         resources=dict(cfg.cluster.rollout_resources),
         max_restarts=max_restarts,
         runtime_env={"env_vars": env},
     )(RolloutActor)
+
+
+def create_rollout_actors(
+    cfg: Config, retriever_url: str, model_path: str, version: int = 0, max_restarts: int = 0
+) -> list[Any]:
+    """Start ``rollout.num_actors`` actors with resources and engine environment from config; ``setup(buffer)`` on
+    each makes it ready (``RolloutActor``: why the buffer is not a constructor argument)."""
+    actor_cls = _actor_class(cfg, max_restarts)
     return [
         actor_cls.options(name=f"rollout-{i}").remote(cfg.to_dict(), i, retriever_url, model_path, version)
         for i in range(cfg.rollout.num_actors)
     ]
+
+
+def create_evaluator(cfg: Config, retriever_url: str, model_path: str, version: int = 0) -> Any:
+    """The engine of the evaluations beside training (``eval.beside``): a rollout actor asked for the same
+    resources, named ``evaluator``, never started on training episodes (``setup`` then ``evaluate_weights`` only);
+    not restarted by Ray (a lost evaluator ends the evaluations beside training, not the run)."""
+    return _actor_class(cfg, 0).options(name="evaluator").remote(cfg.to_dict(), 0, retriever_url, model_path, version)

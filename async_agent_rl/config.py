@@ -448,6 +448,12 @@ class EvalConfig(_Section):
     at_start: bool = True
     at_end: bool = True
     every_steps: int = Field(0, ge=0, description="also evaluate every k learner steps (0 = start and end only)")
+    beside: bool = Field(
+        False, description="run the every_steps evaluations beside training, on an engine of their own (one more "
+        "rollout-sized Ray actor): the learner's weights of that step are loaded into it and evaluated while the RL "
+        "loop goes on; each result is written when it is done, tagged with the step and version it measured. One "
+        "runs at a time: one due while another runs is skipped (counted, one line). false: the loop waits for each "
+        "evaluation on rollout actor 0")
 
 
 class MonitoringConfig(_Section):
@@ -624,11 +630,13 @@ class Config(_Section):
         """What the run's Ray actors ask for of ``resource`` ("CPU", "GPU" or a custom resource): (which, how many,
         each)."""
         c, n_actors, n_ranks = self.cluster, self.rollout.num_actors, self.learner.num_ranks
+        evaluator = [("evaluator", self.evaluators)] if self.evaluators else []
         if resource == "CPU":
             return [("buffer", 1, c.buffer_cpus), ("rollout actors", n_actors, c.rollout_actor_cpus),
-                    ("learner ranks", n_ranks, c.learner_cpus)]
+                    ("learner ranks", n_ranks, c.learner_cpus), *((w, n, c.rollout_actor_cpus) for w, n in evaluator)]
         if resource == "GPU":
-            return [("rollout actors", n_actors, c.rollout_actor_gpus), ("learner ranks", n_ranks, c.learner_gpus)]
+            return [("rollout actors", n_actors, c.rollout_actor_gpus), ("learner ranks", n_ranks, c.learner_gpus),
+                    *((w, n, c.rollout_actor_gpus) for w, n in evaluator)]
         return [(which, n, asks.get(resource, 0.0)) for which, n, asks in self.placement()]
 
     def placement(self) -> list[tuple[str, int, dict[str, float]]]:
@@ -638,9 +646,15 @@ class Config(_Section):
         kinds = [("buffer", 1, c.buffer_cpus, 0.0, c.buffer_resources),
                  ("rollout actors", self.rollout.num_actors, c.rollout_actor_cpus, c.rollout_actor_gpus,
                   c.rollout_resources),
-                 ("learner ranks", self.learner.num_ranks, c.learner_cpus, c.learner_gpus, c.learner_resources)]
+                 ("learner ranks", self.learner.num_ranks, c.learner_cpus, c.learner_gpus, c.learner_resources),
+                 ("evaluator", self.evaluators, c.rollout_actor_cpus, c.rollout_actor_gpus, c.rollout_resources)]
         return [(which, n, {k: v for k, v in {"CPU": cpus, "GPU": gpus, **custom}.items() if v})
-                for which, n, cpus, gpus, custom in kinds]
+                for which, n, cpus, gpus, custom in kinds if n]
+
+    @property
+    def evaluators(self) -> int:
+        """The evaluation engines beside training the run starts (``eval.beside``, asked like a rollout actor)."""
+        return int(self.eval.beside and self.eval.every_steps > 0)
 
     @property
     def run_dir(self) -> Path:

@@ -42,7 +42,7 @@ import yaml
 from ray.exceptions import GetTimeoutError
 from transformers import AutoTokenizer
 
-from actors.rollout_actor import create_rollout_actors
+from actors.rollout_actor import create_evaluator, create_rollout_actors
 from async_agent_rl.config import Config, load_config
 from async_agent_rl.errors import InputError
 from async_agent_rl.stats import (
@@ -54,6 +54,7 @@ from driver.cluster import (
     actor_node, check_actors_fit, check_address, check_job_paths, check_machines, check_placement, job_runtime_env,
     link_ray_logs, node_gone, ray_init, resources_line,
 )
+from driver.evaluation import EvaluationBeside
 from driver.console import LOG_FILE, LearningSignals, RunLog, closing_lines, duration, eval_brief
 from driver.fleet import SETTLE_S, Fleet, run_totals
 from driver.limits import (
@@ -188,6 +189,7 @@ class Trainer:
         self.mon: RunMonitoring | None = None
         self.resume_from: Path | None = None
         self._resumed: dict | None = None  # the checkpoint's driver state, for the fleet once it exists
+        self.beside: EvaluationBeside | None = None  # eval.beside: the evaluations that run beside training
         self.taken_up: list[dict] = []  # a resumed run: what each rollout actor took up (RolloutActor.start)
         self.learning = LearningSignals()
         self.first_step: int | None = None  # the step the RL loop started from (a resumed run: its checkpoint's)
@@ -231,11 +233,18 @@ class Trainer:
                         self.train_step(t0)
                         self._check_stop()
                         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.learner.total_steps:
-                            self.evaluate(f"step {self.step}")
-                            self._check_stop()
+                            if self.beside is not None:
+                                self.evaluate_beside()
+                            else:
+                                self.evaluate(f"step {self.step}")
+                                self._check_stop()
+                        if self.beside is not None:
+                            self.record_eval(self.beside.poll())
             except _StopRequested:
                 closing = self._stop_now()
             if closing is None:
+                if self.beside is not None:
+                    self.record_eval(self.beside.finish())
                 rollout = self.stop_rollouts()
                 end = self.evaluate("end") if cfg.eval.at_end else None
                 final = self.save(self.run_dir / "final")
@@ -415,8 +424,14 @@ class Trainer:
                 actor_model = str(self.resume_from / "policy")
             actors = create_rollout_actors(cfg, self.url, actor_model, self.versions.version,
                                            max_restarts=cfg.cluster.max_actor_restarts)
-            infos = self._started(lambda: ray.get([a.setup.remote(self.buffer) for a in actors],
+            evaluators = [create_evaluator(cfg, self.url, actor_model, self.versions.version)] * cfg.evaluators
+            infos = self._started(lambda: ray.get([a.setup.remote(self.buffer) for a in actors + evaluators],
                                                   timeout=cfg.cluster.actor_setup_timeout_s), what="rollout")
+            if evaluators:
+                self.beside = EvaluationBeside(cfg, evaluators[0], self.log.say)
+                infos = infos[: len(actors)]
+                self.log.say("[start] evaluator: evaluations every "
+                             f"{cfg.eval.every_steps} steps run beside training on an engine of their own")
             self.learner = self.versions.learner = self._started(learner.result)
         self.versions.publisher = create_publisher(
             cfg.weight_sync.method, actors, self.learner, actor_timeout_s=cfg.cluster.actor_timeout_s,
@@ -692,17 +707,36 @@ class Trainer:
         limit = evaluation_s(cfg, cfg.eval.num_questions or test_questions(cfg.data.test_files))
         scores = ask(self.actors[0].evaluate.remote(cfg.data.test_files, cfg.eval.num_questions), limit,
                      f"rollout actor 0 (the evaluation at {when})", key="")
-        overall = scores["all"]
         rec = {"when": when, "step": self.step, "version": self.versions.version, "seconds": time.monotonic() - t, **scores}
+        self.record_eval(rec)
+        return rec
+
+    def evaluate_beside(self) -> None:
+        """The evaluation of this step on the evaluator, not waited for (``driver.evaluation``): the learner's
+        weights of this step (on the object-store path, the ones just published when this step published), tagged
+        with their policy version when they were published as one."""
+        v = self.versions
+        published = v.published_step == self.step
+        weights = v.weights_ref if published and v.weights_ref is not None else self.learner.state_dict_ref()
+        self.beside.start(self.step, v.version if published else None, weights)
+
+    def record_eval(self, rec: dict | None) -> None:
+        """An evaluation's record: ``eval.jsonl``, the monitor and one console line (None: nothing to record)."""
+        if rec is None:
+            return
+        if rec.get("beside"):
+            rec["done_at_step"] = self.step  # the learner's step when it was done: the loop went on meanwhile
         self.log.write("eval.jsonl", rec)
         if self.mon is not None:
-            self.mon.eval.update(scores, split="heldout", step=self.step)
+            self.mon.eval.update({k: v for k, v in rec.items() if isinstance(v, dict)}, split="heldout",
+                                 step=rec["step"])
+        overall = rec["all"]
+        beside = f", beside training: version {rec['version']}, done at step {self.step}" if rec.get("beside") else ""
         self.log.say(
-            f"[eval {when}] held-out exact match {overall['exact_match']:.3f}  F1 {overall['f1']:.3f}  "
+            f"[eval {rec['when']}] held-out exact match {overall['exact_match']:.3f}  F1 {overall['f1']:.3f}  "
             f"searches/q {overall['searches_per_question']:.2f}  turns/q {overall['turns_per_question']:.2f}  "
-            f"(n={overall['n']}, {rec['seconds']:.0f}s)"
+            f"(n={overall['n']}, {rec['seconds']:.0f}s{beside})"
         )
-        return rec
 
     def stop_rollouts(self) -> list[RolloutStats]:
         """Every actor stops starting episodes and finishes and pushes its in-flight ones within ``stop_s``; one
@@ -843,6 +877,8 @@ class Trainer:
         if end:
             s["exact_match_end"] = end["all"]["exact_match"]
             s["eval_end"] = eval_brief(end)
+        if self.beside is not None:
+            s.update(self.beside.summary())
         if s["search_errors"] > SEARCH_ERROR_WARN_RATE * s["searches"] > 0:
             self.log.say(f"[warn] {s['search_errors']} of {s['searches']} searches in this run failed")
         return s
