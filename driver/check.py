@@ -219,14 +219,14 @@ def _learner_state_bytes(cfg: Config, params: int) -> int:
 def _check_gpus(cfg: Config, report: Report, gpus: list[Gpu], params: int | None) -> None:
     ro, lc, cl = cfg.rollout, cfg.learner, cfg.cluster
     gpu_mem = min((g.memory_bytes for g in gpus), default=None)
+    engines = f"{ro.num_actors} actor(s)" + (" and the evaluator (eval.beside)" if cfg.evaluators else "")
     if cfg.run.device == "cpu":
-        report.say("rollout", f"{ro.num_actors} actor(s) on CPU, KV cache {ro.kv_cache_gib} GiB each "
-                   "(rollout.kv_cache_gib)")
+        report.say("rollout", f"{engines} on CPU, KV cache {ro.kv_cache_gib} GiB each (rollout.kv_cache_gib)")
     else:
         share = f"{ro.gpu_memory_utilization:.0%} of its GPU's memory"
         if gpu_mem is not None:
             share += f" ({ro.gpu_memory_utilization * gpu_mem / GIB:.0f} GiB)"
-        report.say("rollout", f"{ro.num_actors} actor(s) x {cl.rollout_actor_gpus:g} GPU; each vLLM engine takes "
+        report.say("rollout", f"{engines} x {cl.rollout_actor_gpus:g} GPU; each vLLM engine takes "
                    f"{share} (rollout.gpu_memory_utilization)")
     states = _learner_state_bytes(cfg, params) if params else None
     memory = (f"model states ~{states / GIB:.1f} GiB per rank (weights, gradients, Adam"
@@ -236,8 +236,9 @@ def _check_gpus(cfg: Config, report: Report, gpus: list[Gpu], params: int | None
     report.say("learner", f"{lc.num_ranks} rank(s) {where}, ZeRO-{lc.zero_stage}, {lc.dtype}; {memory}")
     need = sum(n * each for _, n, each in cfg.actor_asks("GPU"))
     have = ", ".join(f"{g.name} {g.memory_bytes / GIB:.0f} GiB" for g in gpus)
+    evaluator = f", evaluator 1 x {cl.rollout_actor_gpus:g}" if cfg.evaluators else ""
     report.say("gpus", f"the config asks Ray for {need:g} GPU(s) (rollout {ro.num_actors} x "
-               f"{cl.rollout_actor_gpus:g}, learner {lc.num_ranks} x {cl.learner_gpus:g}); this machine has "
+               f"{cl.rollout_actor_gpus:g}, learner {lc.num_ranks} x {cl.learner_gpus:g}{evaluator}); this machine has "
                f"{len(gpus)}{': ' + have if gpus else ''}")
     if math.ceil(need) > len(gpus):
         report.problems.append(f"the config needs {math.ceil(need)} GPU(s) and this machine has {len(gpus)}")

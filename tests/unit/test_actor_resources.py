@@ -149,3 +149,20 @@ def test_a_job_on_several_nodes_is_refused_relative_paths():
         "data.train_files=[/shared/world/train.parquet]", "data.test_files=[/shared/world/test.parquet]",
         "data.corpus_file=/shared/world/corpus.jsonl"])
     check_job_paths(absolute, two, job)
+
+
+def test_the_evaluator_beside_training_asks_what_a_rollout_actor_asks_and_counts_in_the_fit():
+    beside = ["eval.every_steps=5", "eval.beside=true", "cluster.rollout_actor_cpus=0.5"]
+    cfg = load_config(None, [*PLACED, *beside])
+    assert cfg.evaluators == 1
+    assert ("evaluator", 1, {"CPU": 0.5, "rollout": 1.0}) in cfg.placement()
+    assert ("evaluator", 1, 0.5) in cfg.actor_asks("CPU")
+    # no evaluations due (every_steps 0), or not beside: no evaluator
+    assert load_config(None, ["eval.beside=true"]).evaluators == 0
+    assert load_config(None, ["eval.every_steps=5"]).evaluators == 0
+    assert all(w != "evaluator" for w, _, _ in load_config(None, ["eval.every_steps=5"]).actor_asks("CPU"))
+    # buffer 0 + a rollout actor 0.5 + a learner rank 0.5 fit 1 CPU; with the evaluator they need 1.5
+    small = ["cluster.buffer_cpus=0", "cluster.learner_cpus=0.5", "cluster.rollout_actor_cpus=0.5"]
+    check_actors_fit(load_config(None, small), {"CPU": 1.0})
+    with pytest.raises(InputError, match=r"1.5 CPUs .*evaluator 1 x 0.5"):
+        check_actors_fit(load_config(None, [*small, *beside[:2]]), {"CPU": 1.0})
