@@ -132,12 +132,12 @@ def test_local_ray_cluster_authenticates_every_process():
     assert res["probes"] == {"wrong token": "REFUSED AuthenticationError", "no token": "REFUSED AuthenticationError"}
 
 
-def test_short_run_warns_on_failed_searches_cleans_shm_and_resumes_past_a_damaged_checkpoint(
+def test_short_run_warns_on_failed_searches_and_cleans_shm(
     tmp_path, world_dir, searching_model_dir
 ):
     cfg = load_config(REPO / "configs/quickstart.yaml", [
         *SMALL, f"run.output_dir={tmp_path}", "run.name=run", *world_overrides(world_dir, searching_model_dir),
-        "learner.total_steps=2", "learner.checkpoint_every=1", f"retriever.url=http://127.0.0.1:{closed_port()}",
+        "learner.total_steps=2", f"retriever.url=http://127.0.0.1:{closed_port()}",
         "retriever.client.timeout_s=0.5", "retriever.client.retries=0", "retriever.client.deadline_s=1",
     ])  # fmt: skip
     cfg_file = cfg.save(tmp_path / "cfg.yaml")
@@ -152,19 +152,7 @@ def test_short_run_warns_on_failed_searches_cleans_shm_and_resumes_past_a_damage
     done = [x for x in r.stdout.splitlines() if x.startswith("[done] ")]
     assert done and f"{summary['searches']} searches, {summary['search_errors']} failed" in done[0], done
     assert len(pids) > 5 and not leaked_weight_dirs(shm_before, pids)  # the policy copies are gone
-
-    ckpts = run_dir / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001", "step_000002"]
-    damaged = ckpts / "step_000002" / "policy" / "model.safetensors"
-    damaged.write_bytes(damaged.read_bytes()[:1000])  # truncated
-    r, pids = run_cli(["train", "--resume", str(run_dir)], REPO, timeout_s=480)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"skipped a damaged checkpoint: {damaged}" in r.stdout and "step 1, version 1" in r.stdout, r.stdout[-3000:]
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    from learner.checkpoint import verify_manifest
-
-    verify_manifest(ckpts / "step_000002")  # redone and intact again
-    assert not leaked_weight_dirs(shm_before, pids)
+    # (a resume past a damaged checkpoint: tests/integration/test_train_faults.py, after a crash)
 
 
 def test_no_training_prompt_fits_is_an_error_not_a_hang(tmp_path, world_dir, tiny_model_dir):

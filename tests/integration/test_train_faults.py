@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,7 +84,9 @@ def _train_cmd(*args: str) -> list[str]:
 
 
 def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir, tiny_model_dir):
-    cfg = small_config(tmp_path, world_dir, tiny_model_dir, "learner.total_steps=4", "learner.checkpoint_every=2")
+    """The driver and its local Ray are killed after the step-2 checkpoint; the newest checkpoint's policy is then
+    damaged (truncated), so the resume says it skipped it and continues from step 1, redoing steps 2-4."""
+    cfg = small_config(tmp_path, world_dir, tiny_model_dir, "learner.total_steps=4", "learner.checkpoint_every=1")
     cfg_file = cfg.save(tmp_path / "cfg.yaml")
     run_dir = tmp_path / "run"
     env = dict(os.environ)
@@ -105,14 +108,24 @@ def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir
         proc.wait(30)
     before = read_jsonl(run_dir / "metrics.jsonl")
     assert 2 <= len(before) < 4
+    ckpts = run_dir / "checkpoints"
+    assert [p.name for p in sorted(ckpts.iterdir()) if not p.name.startswith(".")][:2] == ["step_000001", "step_000002"]
+    for later in sorted(ckpts.glob("step_00000[3-9]")):  # a step-3 checkpoint sealed before the kill
+        shutil.rmtree(later)
+    damaged = ckpts / "step_000002" / "policy" / "model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:1000])  # truncated
 
     r = subprocess.run(_train_cmd("--resume", str(run_dir)), cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=480)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "[resume]" in r.stdout and "step 2, version 2" in r.stdout
+    assert f"skipped a damaged checkpoint: {damaged}" in r.stdout, r.stdout[-3000:]
+    assert "[resume]" in r.stdout and "step 1, version 1" in r.stdout, r.stdout[-3000:]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [x["step"] for x in rows] == [1, 2, 3, 4]  # each step once: steps after the checkpoint were redone
     assert rows[2]["version"] == 3  # the resumed learner continued from the checkpoint's version
+    from learner.checkpoint import verify_manifest
+
+    verify_manifest(ckpts / "step_000002")  # redone and intact again
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and Path(summary["final_policy"], "config.json").is_file()
     # the crashed run's copies of the policy in /dev/shm are gone (removed after each reload, or swept since)
