@@ -501,6 +501,19 @@ def _pretrain_texts(cfg: Config, steps: int, batch_size: int, seq_len: int, toke
     return shuffled_world_observations(world_file, copies, cfg.sft.seed, **questions)
 
 
+def _reading_after_pretraining(cfg: Config, model: Any, tokenizer: Any) -> dict[str, float] | None:
+    """``warm_start.reading`` scores of the pretrained model (None without reading exercises), logged in one line."""
+    from warm_start.reading import reading_items, reading_scores, scores_line
+
+    if not cfg.sft.pretrain_questions:
+        return None
+    t = time.perf_counter()
+    scores = reading_scores(model, tokenizer, reading_items(Path(cfg.data.world_dir) / "world.json", cfg.sft.seed))
+    log.info("pretraining reads (a shuffled copy of its own, %.0f s): %s", time.perf_counter() - t,
+             scores_line(scores))
+    return scores
+
+
 def train_on_demos(
     model: Any,
     demos: Sequence[Trajectory],
@@ -664,6 +677,7 @@ def run_sft(
 
         t_pre = time.perf_counter()
         pre_losses: list[float] = []
+        reading: dict[str, float] | None = None
         threads_before = torch.get_num_threads()
         kept: dict[str, list[int]] = {}
         try:
@@ -679,6 +693,7 @@ def run_sft(
                 kept["pretrain"] = tuner.kept()
                 if bar:
                     bar.close(_mean_last(pre_losses), f"threads {_counts_text(kept['pretrain'])}")
+                reading = _reading_after_pretraining(cfg, model, tokenizer)
             pretrain_seconds = time.perf_counter() - t_pre
 
             frozen = frozen_token_ids(cfg, tokenizer, model, titles) if freeze_entity_embeddings else []
@@ -709,6 +724,7 @@ def run_sft(
         "epochs": s.epochs,
         "pretrain_steps": pretrain_steps,
         "pretrain_final_loss": sum(pre_losses[-10:]) / len(pre_losses[-10:]) if pre_losses else None,
+        "reading_after_pretraining": reading,
         "frozen_rows": len(frozen),
         "demos": len(demos),
         "single_hop_demos": sum(d.meta.extra.get("hops") == 1 for d in demos),

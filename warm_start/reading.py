@@ -1,0 +1,104 @@
+"""How well a model reads each relation off a passage, measured in the pretraining's own format.
+
+A warm start has to learn to read every relation (a birth year, an occupation, a city's country, ...) from the
+passage a search returns; whether it does is decided relation by relation (benchmarks/RESULTS.md, "What the warm
+start reads"). ``reading_scores`` measures it directly: on a fact-shuffled copy of the world that no training text
+used (its own seed), the passages are grouped as the pretraining's observations are, each followed by one of the
+world's single-hop questions about a shown document, and the model's greedy (teacher-forced) prediction of the
+answer's tokens is checked. A shuffled copy has no true facts, so an answer is right only when it was read.
+
+``run_sft`` reports the scores after pretraining (``sft_summary.json``: ``reading_after_pretraining``, and one log
+line); with the probe's per-relation reading after the demonstrations stage (``async-agent-rl probe``), it tells
+where a relation the warm start does not read was lost: never learned in pretraining, or learned there and not
+carried into the episodes' format. After the demonstrations stage this check itself says little: a warm start
+that reads every name in its episodes (probe: 1.00) answers one constant name in the pretraining's format, which it
+no longer sees.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from async_agent_rl.data.corpus import Passage
+from async_agent_rl.render import render_information
+
+READING_SEED_OFFSET = 7_919  # the check's shuffled copy is never one the pretraining drew (its seeds count from 0)
+
+
+@dataclass(frozen=True)
+class ReadingItem:
+    context: str  # the observation and the question, up to the answer
+    answer: str
+    relation: str
+
+
+def reading_items(world_file: str | Path, seed: int, per_relation: int = 40, max_docs: int = 3) -> list[ReadingItem]:
+    """Up to ``per_relation`` single-hop questions of every relation, each after a group of 1..``max_docs``
+    documents of a fact-shuffled copy of the world (``seed``) that shows its subject."""
+    from async_agent_rl.data.world import describe, questions_about, read_entities, shuffle_facts
+
+    rng = random.Random(seed + READING_SEED_OFFSET)
+    world = shuffle_facts(read_entities(world_file), rng)
+    passages = [Passage(str(i), f'"{e.name}"\n{describe(e)}') for i, e in enumerate(world.values())]
+    rng.shuffle(passages)
+    by_relation: dict[str, list[ReadingItem]] = {}
+    i = 0
+    while i < len(passages):
+        group = passages[i : i + rng.randint(1, max_docs)]
+        i += len(group)
+        shown = render_information(group)
+        for p in group:
+            e = world[p.title.strip('"')]
+            for q in questions_about(e, world, rng, 0.0):
+                by_relation.setdefault(q.relation, []).append(ReadingItem(f"{shown}\n{q.question}", q.answers[0],
+                                                                          q.relation))
+    items = []
+    for relation in sorted(by_relation):
+        pool = by_relation[relation]
+        items += rng.sample(pool, min(per_relation, len(pool)))
+    return items
+
+
+def _encode(tokenizer: Any, item: ReadingItem) -> tuple[list[int], int]:
+    """The item's tokens (context, a space, the answer) and the index of the answer's first token."""
+    text = f"{item.context} {item.answer}"
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    start = next(k for k, (a, b) in enumerate(offsets) if b > len(item.context))  # the token that reaches the answer
+    return list(ids), max(1, start)
+
+
+def reading_scores(model: Any, tokenizer: Any, items: Sequence[ReadingItem], batch_size: int = 32) -> dict[str, float]:
+    """Per relation, the share of ``items`` whose every answer token is the model's most likely next token given
+    what precedes it (teacher-forced greedy reading); keys sorted, plus ``all``."""
+    encoded = [_encode(tokenizer, it) for it in items]
+    right: dict[str, list[bool]] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in range(0, len(encoded), batch_size):
+                rows = encoded[b : b + batch_size]
+                width = max(len(ids) for ids, _ in rows)
+                x = torch.zeros((len(rows), width), dtype=torch.long)
+                for r, (ids, _) in enumerate(rows):
+                    x[r, : len(ids)] = torch.tensor(ids)
+                guess = model(input_ids=x).logits.argmax(-1)  # right padding: real tokens never see it
+                for r, (ids, start) in enumerate(rows):
+                    ok = bool((guess[r, start - 1 : len(ids) - 1] == x[r, start : len(ids)]).all())
+                    right.setdefault(items[b + r].relation, []).append(ok)
+    finally:
+        model.train(was_training)
+    scores = {rel: sum(v) / len(v) for rel, v in sorted(right.items())}
+    scores["all"] = sum(sum(v) for v in right.values()) / max(1, sum(len(v) for v in right.values()))
+    return scores
+
+
+def scores_line(scores: dict[str, float]) -> str:
+    """``birth_year 0.97, occupation 0.40, ...; all 0.81``."""
+    return ", ".join(f"{k} {v:.2f}" for k, v in scores.items() if k != "all") + f"; all {scores['all']:.2f}"
