@@ -80,7 +80,7 @@ def test_evaluations_run_beside_training_tagged_with_the_version_they_measured(t
     assert json.loads((run_dir / "summary.json").read_text())["evals_beside"] == len(beside)
     console = capsys.readouterr().out
     assert console.count("is skipped: the one of step 1 is still running") == 1, console  # once, however many
-    assert f"[eval step 1] held-out exact match" in console and "beside training: version" in console
+    assert "[eval step 1] held-out exact match" in console and "beside training: version" in console
 
 
 def _alive(pid: int) -> bool:
