@@ -11,6 +11,9 @@ concatenated texts; this counts, over ``--windows`` seeded windows, the exercise
 of those, the share whose passage (the document the question is about) lies in the same window before the answer:
 the others can only be guessed, and teach guessing. With ``packing: texts`` (one whole text per row) that share is
 1 by construction; the text lengths are reported too. Nothing is trained: a minute or so on one core.
+
+``--out DIR`` also writes DIR/result.json (the printed numbers), DIR/output.txt (what was printed) and DIR/run.json
+(command, commit, versions): ``benchmarks/record.py``.
 """
 
 from __future__ import annotations
