@@ -239,3 +239,19 @@ def test_the_warm_start_computes_the_same_weights_at_one_and_at_two_threads(setu
     assert one["threads"] != two["threads"], (one["threads"], two["threads"])  # really ran at 1 and at 2
     w1, w2 = _model(tmp_path / "t1").state_dict(), _model(tmp_path / "t2").state_dict()
     assert [k for k in w1 if not torch.equal(w1[k], w2[k])] == []
+
+
+def test_pretraining_on_whole_texts_learns_and_reports_what_it_reads(setup, tmp_path):
+    """``sft.pretrain_packing: texts``: pretraining rows are whole observations (their exercises with them); the
+    loss falls, the steps are those asked for, and the summary carries the per-relation reading check."""
+    cfg, _, _, demos, _, _ = setup
+    texts = cfg.model_copy(deep=True)
+    texts.sft.epochs = 1
+    texts.sft.pretrain_packing = "texts"
+    texts.sft.pretrain_questions = True
+    s = run_sft(texts, cfg.model.path, tmp_path / "t", demos=demos[:16], pretrain_steps=30, log_every=0)
+    pre = [json.loads(x) for x in (tmp_path / "t" / METRICS_FILE).read_text().splitlines()]
+    pre = [m["loss"] for m in pre if m["stage"] == "pretrain"]
+    assert len(pre) == 30 and sum(pre[-5:]) / 5 < sum(pre[:5]) / 5
+    reading = s["reading_after_pretraining"]
+    assert {"birth_year", "occupation", "all"} <= set(reading) and all(0.0 <= v <= 1.0 for v in reading.values())
