@@ -3,7 +3,9 @@
 ``run_sft`` is a plain torch loop on CPU (no DeepSpeed, no Ray), in two stages::
 
     pretrain   (optional, sft.pretrain_steps) next-token LM on observation-formatted passages of the world with
-               every fact shuffled (demos.shuffled_world_observations): reading and copying, no true facts
+               every fact shuffled (demos.shuffled_world_observations): reading and copying, no true facts; rows
+               are 128-token windows of the concatenated texts or whole texts (sft.pretrain_packing); then the
+               per-relation reading check (warm_start.reading) when the texts carry reading exercises
     demos      make_demonstrations(train questions, real retrieval)                     (warm_start.demos)
     SFT        per epoch: seeded shuffle -> length-grouped batches of sft.batch_size -> pack_batch (the RL
                learner's TrainBatch); loss = token-mean NLL over model-generated tokens (loss_mask == 1); AdamW;
