@@ -411,6 +411,10 @@ class SFTConfig(_Section):
         "on the quickstart world, 70% of the exercises a 128-token window holds lack their passage, and teach a "
         "guess); 'texts' = whole observations, one per row, right-padded, so every exercise is answerable from "
         "what the row shows")
+    pretrain_answer_weight: float = Field(
+        1.0, ge=1.0, description="pretrain_packing=texts: the loss weight of a reading exercise's answer tokens "
+        "against every other token's 1 (the loss is the weighted mean); the answers are a few percent of the "
+        "tokens, the rest mostly unpredictable shuffled values")
     shuffled_copies: int = Field(
         0, ge=0, description="embedded world only: draw the demonstrations from this many fact-shuffled copies of "
         "the world (train subjects, each copy with its own index) instead of the true train facts, so the warm "
@@ -441,6 +445,13 @@ class SFTConfig(_Section):
     output_dir: Optional[str] = Field(
         None, description="train: where the warm start is saved and reused (default RUN_DIR/sft); runs with the "
         "same inputs can share one (checked against its warm_start_inputs.json)")
+
+    @model_validator(mode="after")
+    def _answer_weight(self) -> "SFTConfig":
+        if self.pretrain_answer_weight != 1.0 and self.pretrain_packing != "texts":
+            raise ValueError("pretrain_answer_weight needs pretrain_packing: texts (a window does not say where a "
+                             "reading exercise's answer is)")
+        return self
 
 
 class EvalConfig(_Section):

@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -61,7 +62,8 @@ RETRIEVER_KEYS = ("backend", "topk", "index_dir", "dense_model", "faiss_index", 
 
 
 SFT_DEFAULTS = {("threads", 0), ("pretrain_questions_per_doc", 1), ("guess_value_loss", True),
-                ("frozen_embeddings", "names"), ("pretrain_packing", "windows")}  # left out of warm_start_inputs at these values
+                ("frozen_embeddings", "names"), ("pretrain_packing", "windows"),
+                ("pretrain_answer_weight", 1.0)}  # left out of warm_start_inputs at these values
 
 
 def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
@@ -352,17 +354,36 @@ def pretrain_rows(texts: Sequence[list[int]], steps: int, batch_size: int, seed:
         order = order[batch_size:]
 
 
-def padded_rows(rows: Sequence[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """``(input_ids, targets)``: the rows right-padded with ``pad_id``; the targets are the next tokens, -100 (no
-    loss) where the next token is padding. Right padding needs no attention mask: a causal model never lets a real
-    token see the padding after it."""
+def padded_rows(rows: Sequence[list[int]], pad_id: int,
+                weights: Sequence[list[float]] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(input_ids, targets, target_weights)``: the rows right-padded with ``pad_id``; the targets are the next
+    tokens, -100 (no loss) where the next token is padding; a target's weight is its token's in ``weights`` (one per
+    token of each row; default 1), 0 on padding. Right padding needs no attention mask: a causal model never lets a
+    real token see the padding after it."""
     width = max(len(r) for r in rows)
     x = torch.full((len(rows), width), pad_id, dtype=torch.long)
     targets = torch.full((len(rows), width - 1), -100, dtype=torch.long)
+    w = torch.zeros((len(rows), width - 1))
     for i, r in enumerate(rows):
         x[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         targets[i, : len(r) - 1] = x[i, 1 : len(r)]
-    return x, targets
+        w[i, : len(r) - 1] = torch.tensor(weights[i][1:], dtype=torch.float) if weights is not None else 1.0
+    return x, targets, w
+
+
+_EXERCISE = re.compile(r"\n[^\n?<>]+\? ([^\n]+)")  # a reading exercise after the observation: question? answer
+
+
+def answer_weights(tokenizer: Any, texts: Sequence[str], weight: float) -> list[list[float]]:
+    """Per text, one weight per token: ``weight`` for the tokens of a reading exercise's answer (the text after
+    ``</information>``, each line ``question? answer``), 1 for every other token."""
+    out = []
+    for t in texts:
+        end = t.rfind("</information>")
+        spans = [(m.start(1), m.end(1)) for m in _EXERCISE.finditer(t, max(end, 0))]
+        offsets = tokenizer(t, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        out.append([weight if any(a < e and b > s for s, e in spans) else 1.0 for a, b in offsets])
+    return out
 
 
 def pretrain_on_texts(
@@ -380,21 +401,28 @@ def pretrain_on_texts(
     threads: ThreadTuner | None = None,
     progress: Progress | None = None,
     packing: str = "windows",
+    answer_weight: float = 1.0,
 ) -> list[float]:
     """Plain next-token LM on ``texts`` (every token a target): ``steps`` AdamW steps on ``batch_size`` rows, each
     a random ``seq_len``-token window of the concatenated token stream (``packing="windows"``,
     ``pretrain_windows``) or one whole text, right-padded (``packing="texts"``, ``pretrain_rows``); both seeded;
     warmup then constant LR. Returns the per-step losses. Used on ``demos.shuffled_world_observations`` (see
-    ``run_sft`` for why). ``threads`` picks torch's thread count step by step (``ThreadTuner``; None: leave it);
-    ``progress`` is updated after every step."""
+    ``run_sft`` for why). ``answer_weight`` (whole texts only): the loss weight of the reading exercises' answer
+    tokens (``answer_weights``), the loss then the weighted mean. ``threads`` picks torch's thread count step by step
+    (``ThreadTuner``; None: leave it); ``progress`` is updated after every step."""
     if packing == "texts":
-        encoded = [ids for ids in encode_texts(tokenizer, texts) if len(ids) > 1]
+        kept = [(t, ids) for t, ids in zip(texts, encode_texts(tokenizer, texts)) if len(ids) > 1]
+        encoded = [ids for _, ids in kept]
+        weights = answer_weights(tokenizer, [t for t, _ in kept], answer_weight) if answer_weight != 1.0 else None
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        batches: Iterator[tuple[Tensor, Tensor]] = (
-            padded_rows([encoded[i] for i in rows], pad_id) for rows in pretrain_rows(encoded, steps, batch_size, seed))
+        batches: Iterator[tuple[Tensor, Tensor, Tensor | None]] = (
+            padded_rows([encoded[i] for i in rows], pad_id, [weights[i] for i in rows] if weights else None)
+            for rows in pretrain_rows(encoded, steps, batch_size, seed))
     elif packing == "windows":
+        if answer_weight != 1.0:
+            raise ValueError("an answer weight needs whole texts as rows (packing='texts')")
         data = token_stream(tokenizer, texts)
-        batches = ((x, x[:, 1:]) for x in pretrain_windows(data, steps, batch_size, seq_len, seed))
+        batches = ((x, x[:, 1:], None) for x in pretrain_windows(data, steps, batch_size, seq_len, seed))
     else:
         raise ValueError(f"unknown pretraining packing {packing!r} (windows or texts)")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -402,14 +430,19 @@ def pretrain_on_texts(
     losses: list[float] = []
     seen = 0
     model.train()
-    for step, (x, targets) in enumerate(batches):
+    for step, (x, targets, w) in enumerate(batches):
         t_step = time.perf_counter()
         if threads:
             threads.before_step(step)
         for g in opt.param_groups:
             g["lr"] = lr * lr_factor(step, warmup_steps=warmup_steps, total_steps=steps, schedule="constant")
         hidden = model.base_model(input_ids=x, use_cache=False).last_hidden_state[:, :-1]
-        loss = F.cross_entropy(head(hidden).float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if w is None or answer_weight == 1.0:
+            loss = F.cross_entropy(head(hidden).float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        else:  # the weighted mean over the real targets
+            ce = F.cross_entropy(head(hidden).float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                 reduction="none")
+            loss = (ce * w.flatten()).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -691,6 +724,7 @@ def run_sft(
                 pre_losses = pretrain_on_texts(
                     model, tokenizer, texts, pretrain_steps, s.batch_size, s.lr, s.warmup_steps, s.seed,
                     PRETRAIN_SEQ_LEN, on_step=record, threads=tuner, progress=bar, packing=s.pretrain_packing,
+                    answer_weight=s.pretrain_answer_weight,
                 )
                 kept["pretrain"] = tuner.kept()
                 if bar:

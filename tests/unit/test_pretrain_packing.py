@@ -27,11 +27,40 @@ def test_a_batch_larger_than_the_texts_draws_from_several_passes():
 
 
 def test_padding_is_never_a_target_and_every_real_next_token_is():
-    x, targets = padded_rows([[5, 6, 7, 8], [9, 10]], pad_id=0)
+    x, targets, w = padded_rows([[5, 6, 7, 8], [9, 10]], pad_id=0)
     assert x.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
     assert targets.tolist() == [[6, 7, 8], [10, -100, -100]]
+    assert w.tolist() == [[1, 1, 1], [1, 0, 0]]
+    # a target's weight is that of the token it predicts
+    _, _, w = padded_rows([[5, 6, 7, 8], [9, 10]], pad_id=0, weights=[[1, 1, 4, 4], [1, 4]])
+    assert w.tolist() == [[1, 4, 4], [4, 0, 0]]
+
+
+def test_only_the_reading_exercises_answers_are_weighted():
+    from warm_start.sft import answer_weights
+
+    text = ('\n\n<information>Doc 1(Title: "Ann Lee") Ann Lee is a poet born in 1939 in Paris.</information>\n\n'
+            "\nIn what year was Ann Lee born? 1939\nWhat is the occupation of Ann Lee? poet")
+    (w,) = answer_weights(CharTokenizer(), [text], 5.0)
+    weighted = "".join(ch for ch, x in zip(text, w) if x == 5.0)
+    assert weighted == "1939poet"  # the answers only: not the year and occupation the passage shows
+
+
+class CharTokenizer:
+    """One token per character (offsets as a fast tokenizer gives them)."""
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
 
 
 def test_no_text_is_an_error_not_an_endless_loop():
     with pytest.raises(ValueError, match="at least one text"):
         next(pretrain_rows([], steps=1, batch_size=2, seed=0))
+
+
+def test_an_answer_weight_without_whole_texts_is_a_config_error():
+    from async_agent_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="pretrain_answer_weight needs pretrain_packing: texts"):
+        load_config(None, ["sft.pretrain_answer_weight=4"])
+    assert load_config(None, ["sft.pretrain_answer_weight=4", "sft.pretrain_packing=texts"]).sft.pretrain_answer_weight == 4
