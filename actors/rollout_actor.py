@@ -227,11 +227,14 @@ class RolloutActor:
 
     async def evaluate_weights(self, version: int, weights: Mapping[str, Any], files: list[str],
                                limit: int = 0) -> dict:
-        """Load ``weights`` (policy ``version``) into this actor's engine, then ``evaluate``: the evaluator's one
-        call per evaluation beside training. The engine runs nothing else, so the whole evaluation sees one
-        version."""
-        await self.update_weights(version, weights)
-        return await self.evaluate(files, limit)
+        """Load ``weights`` (tagged ``version``) into this actor's engine, then ``evaluate``: the evaluator's one
+        call per evaluation beside training; the scores with ``seconds``, the whole call's time. The engine runs
+        nothing else, so the whole evaluation sees one version; the reload is a paused one, which clears the prefix
+        cache whatever ``rollout.weight_update_mode`` says."""
+        t0 = time.perf_counter()
+        self._applied(t0, await self.engine.update_weights(version, weights, "pause"))
+        scores = await self.evaluate(files, limit)
+        return {**scores, "seconds": time.perf_counter() - t0}
 
     def error(self) -> str | None:
         """Why this actor's rollouts ended (``stats().done``): the worker's exception in one line (a failed push,

@@ -448,9 +448,9 @@ class SFTConfig(_Section):
 
     @model_validator(mode="after")
     def _answer_weight(self) -> "SFTConfig":
-        if self.pretrain_answer_weight != 1.0 and self.pretrain_packing != "texts":
-            raise ValueError("pretrain_answer_weight needs pretrain_packing: texts (a window does not say where a "
-                             "reading exercise's answer is)")
+        if self.pretrain_answer_weight != 1.0 and (self.pretrain_packing != "texts" or not self.pretrain_questions):
+            raise ValueError("pretrain_answer_weight needs pretrain_packing: texts and pretrain_questions: true (it "
+                             "weighs the reading exercises' answers, which a window cuts apart)")
         return self
 
 
@@ -622,6 +622,9 @@ class Config(_Section):
                 f"rollout.engine_silence_s ({silence:g}) must be below cluster.progress_timeout_s ({watchdog:g}): a "
                 "hung engine's actor must be restarted before the run is declared stalled (0 derives a limit that is)"
             )
+        if self.eval.beside and not self.eval.every_steps:
+            raise ValueError("eval.beside=true needs eval.every_steps > 0: it runs the every_steps evaluations beside "
+                             "training (the start and end ones always run on rollout actor 0)")
         if self.buffer.group_filter != "none" and self.rollout.group_size < 2:
             raise ValueError(
                 f"buffer.group_filter={self.buffer.group_filter!r} needs rollout.group_size >= 2 (got "
@@ -664,8 +667,9 @@ class Config(_Section):
 
     @property
     def evaluators(self) -> int:
-        """The evaluation engines beside training the run starts (``eval.beside``, asked like a rollout actor)."""
-        return int(self.eval.beside and self.eval.every_steps > 0)
+        """The evaluation engines beside training the run starts (``eval.beside``, asked like a rollout actor):
+        none when no evaluation falls due before the last step (the end one runs on rollout actor 0)."""
+        return int(self.eval.beside and 0 < self.eval.every_steps < self.learner.total_steps)
 
     @property
     def run_dir(self) -> Path:

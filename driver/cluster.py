@@ -35,7 +35,7 @@ def check_actors_fit(cfg: Config, resources: dict[str, float]) -> None:
 
 
 RESOURCE_KEYS = {"buffer": "cluster.buffer_resources", "rollout actors": "cluster.rollout_resources",
-                 "learner ranks": "cluster.learner_resources"}
+                 "learner ranks": "cluster.learner_resources", "evaluator": "cluster.rollout_resources"}
 
 
 def check_placement(cfg: Config, nodes: list[dict]) -> None:

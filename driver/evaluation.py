@@ -5,7 +5,8 @@ An evaluation due every ``eval.every_steps`` learner steps normally runs on roll
 the same resources, never given training episodes): ``start`` hands it the learner's weights of that step and their
 policy version in one call (``RolloutActor.evaluate_weights``: load, then greedy episodes on the held-out
 questions), so the whole evaluation measures one frozen version while the rollout actors and the learner go on.
-``poll`` is asked once per step and returns the finished result, tagged with the step and version it measured.
+``poll`` is asked once per step and returns the finished result, tagged with the step and version it measured
+(its ``seconds`` are the evaluation's own, timed on the evaluator).
 
 One evaluation runs at a time: one that comes due while another runs is skipped and counted (the first skip says so
 in one line, later ones are only counted), so a slow evaluator can never queue up work or hold weights in memory. An
@@ -22,7 +23,7 @@ from typing import Any, Callable
 import ray
 
 from async_agent_rl.config import Config
-from driver.limits import REPORT_TIMEOUT_S, cause, evaluation_s, test_questions
+from driver.limits import REPORT_TIMEOUT_S, cause, eval_limit_s
 
 
 @dataclass
@@ -38,16 +39,16 @@ class EvaluationBeside:
 
     def __init__(self, cfg: Config, evaluator: Any, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
         self.cfg, self.evaluator, self.say, self.clock = cfg, evaluator, say, clock
-        self.limit_s = evaluation_s(cfg, cfg.eval.num_questions or test_questions(cfg.data.test_files))
+        self.limit_s = eval_limit_s(cfg)
         self.pending: Pending | None = None
         self.finished = 0
         self.skipped = 0
         self.failed: str | None = None  # why the evaluations beside training ended early
 
-    def start(self, step: int, version: int | None, weights: Any) -> bool:
-        """Evaluate ``weights`` (an object ref to the learner's state dict at ``step``; ``version``: the policy
-        version they are, None when they were not published) unless one is running (skipped and counted) or the
-        evaluator has failed. True when it started."""
+    def can_start(self, step: int) -> bool:
+        """Whether the evaluation due at ``step`` can start now: not when the evaluator failed, nor while another
+        runs (then it is skipped and counted, the first skip said in one line). Asked before the weights are
+        taken, so a skipped evaluation costs the loop nothing."""
         if self.failed is not None:
             return False
         if self.pending is not None:
@@ -56,10 +57,16 @@ class EvaluationBeside:
                 self.say(f"[eval] the evaluation of step {step} is skipped: the one of step {self.pending.step} is "
                          "still running beside training (later skips are counted in summary.json, evals_skipped)")
             return False
-        ref = self.evaluator.evaluate_weights.remote(version, weights, self.cfg.data.test_files,
+        return True
+
+    def start(self, step: int, version: int | None, weights: Any) -> None:
+        """Evaluate ``weights`` (an object ref to the learner's state dict at ``step``; ``version``: the policy
+        version they are, None when they were not published: the engine then runs them under its own tag
+        ``-step``, so its prefix cache never mixes them with another set). Call after ``can_start``."""
+        tag = version if version is not None else -step
+        ref = self.evaluator.evaluate_weights.remote(tag, weights, self.cfg.data.test_files,
                                                      self.cfg.eval.num_questions)
         self.pending = Pending(step, version, ref, self.clock())
-        return True
 
     def poll(self, wait_s: float = 0.0) -> dict | None:
         """The running evaluation's record once it is done (``eval.jsonl``'s fields plus ``beside``), waiting up to
@@ -79,14 +86,18 @@ class EvaluationBeside:
             return None
         self.pending = None
         self.finished += 1
+        seconds = scores.pop("seconds")  # the evaluation's own time, on the evaluator
         return {"when": f"step {p.step}", "step": p.step, "version": p.version, "beside": True,
-                "seconds": self.clock() - p.started, **scores}
+                "seconds": seconds, **scores}
 
-    def finish(self) -> dict | None:
-        """At the end of training: the running evaluation's record, waiting for it within its time limit."""
-        if self.pending is None:
-            return None
-        return self.poll(wait_s=max(0.0, self.limit_s - (self.clock() - self.pending.started)) + 1.0)
+    def finish(self, stopping: Callable[[], bool] = lambda: False) -> dict | None:
+        """At the end of training: the running evaluation's record, waiting for it within its time limit, in
+        one-second slices; None at once when ``stopping()`` says the run is being stopped."""
+        while self.pending is not None and not stopping():
+            rec = self.poll(wait_s=1.0)
+            if rec is not None:
+                return rec
+        return None
 
     def _fail(self, why: str) -> None:
         step = self.pending.step if self.pending else None

@@ -92,6 +92,11 @@ def evaluation_s(cfg: Config, questions: int) -> float:
     return max(PROGRESS_FLOOR_S, generation_s(cfg, questions, actors=1))
 
 
+def eval_limit_s(cfg: Config) -> float:
+    """How long one evaluation of the config's held-out questions (``eval.num_questions``, 0: every one) may take."""
+    return evaluation_s(cfg, cfg.eval.num_questions or test_questions(cfg.data.test_files))
+
+
 def stop_s(cfg: Config) -> float:
     """How long a rollout actor is given to finish and push its in-flight episodes when the run stops (at least
     ``cluster.actor_timeout_s``): one wave of the longest episodes at the slowest pace assumed."""

@@ -58,7 +58,7 @@ from driver.evaluation import EvaluationBeside
 from driver.console import LOG_FILE, LearningSignals, RunLog, closing_lines, duration, eval_brief
 from driver.fleet import SETTLE_S, Fleet, run_totals
 from driver.limits import (
-    REPORT_TIMEOUT_S, ProgressWatchdog, RunFailed, ask, cause, evaluation_s, first_step_s, stop_s, test_questions,
+    REPORT_TIMEOUT_S, ProgressWatchdog, RunFailed, ask, cause, eval_limit_s, first_step_s, stop_s,
 )
 from driver.plots import plot_run
 from driver.prepare import prepare
@@ -240,11 +240,12 @@ class Trainer:
                                 self._check_stop()
                         if self.beside is not None:
                             self.record_eval(self.beside.poll())
+                if self.beside is not None:  # the last one still running (a stop request ends the wait)
+                    self.record_eval(self.beside.finish(stopping=lambda: self.stop_signal is not None))
+                    self._check_stop()
             except _StopRequested:
                 closing = self._stop_now()
             if closing is None:
-                if self.beside is not None:
-                    self.record_eval(self.beside.finish())
                 rollout = self.stop_rollouts()
                 end = self.evaluate("end") if cfg.eval.at_end else None
                 final = self.save(self.run_dir / "final")
@@ -429,6 +430,9 @@ class Trainer:
                                                   timeout=cfg.cluster.actor_setup_timeout_s), what="rollout")
             if evaluators:
                 self.beside = EvaluationBeside(cfg, evaluators[0], self.log.say)
+                if self._resumed is not None:
+                    self.beside.finished, self.beside.skipped = (self._resumed["evals_beside"],
+                                                                 self._resumed["evals_skipped"])
                 infos = infos[: len(actors)]
                 self.log.say("[start] evaluator: evaluations every "
                              f"{cfg.eval.every_steps} steps run beside training on an engine of their own")
@@ -465,16 +469,17 @@ class Trainer:
             return start()
         except GetTimeoutError:
             if what == "learner":
-                n, asks = self.cfg.learner.num_ranks, f"cluster.learner_cpus={c.learner_cpus:g}, learner_gpus=" \
-                                                     f"{c.learner_gpus:g}"
+                whom = f"{self.cfg.learner.num_ranks} learner actor(s)"
+                asks = f"cluster.learner_cpus={c.learner_cpus:g}, learner_gpus={c.learner_gpus:g}"
                 custom = c.learner_resources
             else:
-                n, asks = self.cfg.rollout.num_actors, f"cluster.rollout_actor_cpus={c.rollout_actor_cpus:g}, " \
-                                                       f"rollout_actor_gpus={c.rollout_actor_gpus:g}"
+                whom = f"{self.cfg.rollout.num_actors} {what} actor(s)" + (" and the evaluator"
+                                                                          if self.cfg.evaluators else "")
+                asks = f"cluster.rollout_actor_cpus={c.rollout_actor_cpus:g}, rollout_actor_gpus={c.rollout_actor_gpus:g}"
                 custom = c.rollout_resources
             if custom:
                 asks += f", {'learner' if what == 'learner' else 'rollout'}_resources={custom}"
-            raise RunFailed(f"the {n} {what} actor(s) were not started within cluster.actor_setup_timeout_s="
+            raise RunFailed(f"the {whom} were not started within cluster.actor_setup_timeout_s="
                             f"{c.actor_setup_timeout_s:g} s (each asks Ray for {asks}; the cluster has "
                             f"{resources_line(ray.cluster_resources())})") from None
 
@@ -704,7 +709,7 @@ class Trainer:
     def evaluate(self, when: str) -> dict:
         cfg = self.cfg
         t = time.monotonic()
-        limit = evaluation_s(cfg, cfg.eval.num_questions or test_questions(cfg.data.test_files))
+        limit = eval_limit_s(cfg)
         scores = ask(self.actors[0].evaluate.remote(cfg.data.test_files, cfg.eval.num_questions), limit,
                      f"rollout actor 0 (the evaluation at {when})", key="")
         rec = {"when": when, "step": self.step, "version": self.versions.version, "seconds": time.monotonic() - t, **scores}
@@ -715,6 +720,8 @@ class Trainer:
         """The evaluation of this step on the evaluator, not waited for (``driver.evaluation``): the learner's
         weights of this step (on the object-store path, the ones just published when this step published), tagged
         with their policy version when they were published as one."""
+        if not self.beside.can_start(self.step):  # skipped before any weights are taken
+            return
         v = self.versions
         published = v.published_step == self.step
         weights = v.weights_ref if published and v.weights_ref is not None else self.learner.state_dict_ref()
@@ -771,6 +778,8 @@ class Trainer:
             self._ask(self.buffer.snapshot.remote(str(tmp / SNAPSHOT_FILE)), "the buffer actor (snapshot)")
             state = {"step": self.step, "version": self.versions.version, "restarts": self.fleet.restarts,
                      "lost_episodes": self.fleet.lost_episodes, "totals": self.fleet.totals.run()}  # fmt: skip
+            if self.beside is not None:  # an evaluation running now is not redone by a resume
+                state["evals_beside"], state["evals_skipped"] = self.beside.finished, self.beside.skipped
             (tmp / DRIVER_STATE).write_text(json.dumps(state))
             path = commit_checkpoint(tmp, final)  # checksum manifest last, then the rename
         except (RunFailed, LearnerTimeout):  # a component that stopped answering: the partial copy goes too
@@ -847,7 +856,8 @@ class Trainer:
                     "searches": last.get("searches_total", 0),
                     "search_errors": last.get("search_errors_total", 0)}  # fmt: skip
         self._resumed = {"restarts": state["restarts"], "lost_episodes": state["lost_episodes"],
-                         "totals": RunTotals(base)}
+                         "totals": RunTotals(base), "evals_beside": state.get("evals_beside", 0),
+                         "evals_skipped": state.get("evals_skipped", 0)}
         self.log.say(f"[resume] {ckpt}: step {self.step}, version {version}")
 
     def save(self, directory: Path) -> str:

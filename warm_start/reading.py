@@ -27,7 +27,9 @@ import torch
 from async_agent_rl.data.corpus import Passage
 from async_agent_rl.render import render_information
 
-READING_SEED_OFFSET = 7_919  # the check's shuffled copy is never one the pretraining drew (its seeds count from 0)
+# the check's shuffled copy comes from a random stream of its own (the pretraining draws all its copies from one
+# stream seeded with sft.seed), so it is a fresh permutation of the facts, not one the pretraining trained on
+READING_SEED_OFFSET = 7_919
 
 
 @dataclass(frozen=True)

@@ -517,7 +517,8 @@ def build_demonstrations(cfg: Config, tokenizer: Any, report: Any = None) -> tup
 
 
 def _pretrain_texts(cfg: Config, steps: int, batch_size: int, seq_len: int, tokenizer: Any) -> list[str]:
-    """Enough shuffled-world copies that ``steps`` batches see each window about once (no memorizing)."""
+    """Enough shuffled-world copies that ``steps`` batches see each text (``sft.pretrain_packing: texts``) or each
+    window's worth of tokens (``windows``) about once (no memorizing)."""
     from warm_start.demos import shuffled_world_observations
 
     world_file = Path(cfg.data.world_dir) / "world.json"

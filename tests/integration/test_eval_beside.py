@@ -36,7 +36,7 @@ def test_evaluations_run_beside_training_tagged_with_the_version_they_measured(t
         "learner.batch_size=16", "learner.mini_batch_size=16", "learner.micro_batch_size=8",
         "rollout.group_size=4", "eval.at_start=false", "eval.at_end=true", "eval.every_steps=1", "eval.beside=true",
         "eval.num_questions=8", "monitoring.enabled=false", "sft.enabled=false", "buffer.group_filter=none",
-        "learner.total_steps=7",
+        "learner.total_steps=9",
         f"run.output_dir={tmp_path}", "run.name=run", *world_overrides(world_dir, tiny_model_dir),
     ])  # fmt: skip
     trainer = Trainer(cfg)
@@ -62,7 +62,7 @@ def test_evaluations_run_beside_training_tagged_with_the_version_they_measured(t
         if frozen and _alive(frozen["pid"]):
             os.kill(frozen["pid"], signal.SIGCONT)
     run_dir = tmp_path / "run"
-    assert summary["steps"] == 7 and frozen["step"] == 1
+    assert summary["steps"] == 9 and frozen["step"] == 1
     evals = read_jsonl(run_dir / "eval.jsonl")
     beside = [e for e in evals if e.get("beside")]
     versions = {m["step"]: m["version"] for m in read_jsonl(run_dir / "metrics.jsonl")}
@@ -76,7 +76,7 @@ def test_evaluations_run_beside_training_tagged_with_the_version_they_measured(t
     assert [e["step"] for e in beside] == sorted(e["step"] for e in beside)
     assert all(e["version"] == versions[e["step"]] for e in beside), (beside, versions)
     # the end evaluation as always: on rollout actor 0, after the last step
-    assert evals[-1]["when"] == "end" and not evals[-1].get("beside") and evals[-1]["step"] == 7
+    assert evals[-1]["when"] == "end" and not evals[-1].get("beside") and evals[-1]["step"] == 9
     assert json.loads((run_dir / "summary.json").read_text())["evals_beside"] == len(beside)
     console = capsys.readouterr().out
     assert console.count("is skipped: the one of step 1 is still running") == 1, console  # once, however many

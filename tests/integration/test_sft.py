@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,17 +242,37 @@ def test_the_warm_start_computes_the_same_weights_at_one_and_at_two_threads(setu
     assert [k for k in w1 if not torch.equal(w1[k], w2[k])] == []
 
 
-def test_pretraining_on_whole_texts_learns_and_reports_what_it_reads(setup, tmp_path):
+def test_pretraining_on_whole_texts_learns_and_reports_what_it_reads(setup, tmp_path, monkeypatch):
     """``sft.pretrain_packing: texts``: pretraining rows are whole observations (their exercises with them); the
     loss falls, the steps are those asked for, and the summary carries the per-relation reading check."""
+    import warm_start.sft as sft
+
+    rows_drawn = []
+    real_rows = sft.pretrain_rows
+    monkeypatch.setattr(sft, "pretrain_rows", lambda *a, **k: (rows_drawn.append(r) or r for r in real_rows(*a, **k)))
     cfg, _, _, demos, _, _ = setup
     texts = cfg.model_copy(deep=True)
     texts.sft.epochs = 1
     texts.sft.pretrain_packing = "texts"
     texts.sft.pretrain_questions = True
     s = run_sft(texts, cfg.model.path, tmp_path / "t", demos=demos[:16], pretrain_steps=30, log_every=0)
+    assert len(rows_drawn) == 30 and all(len(r) == cfg.sft.batch_size for r in rows_drawn)  # whole texts as rows
     pre = [json.loads(x) for x in (tmp_path / "t" / METRICS_FILE).read_text().splitlines()]
     pre = [m["loss"] for m in pre if m["stage"] == "pretrain"]
     assert len(pre) == 30 and sum(pre[-5:]) / 5 < sum(pre[:5]) / 5
     reading = s["reading_after_pretraining"]
     assert {"birth_year", "occupation", "all"} <= set(reading) and all(0.0 <= v <= 1.0 for v in reading.values())
+
+
+def test_the_answer_weight_changes_the_pretraining_loss_and_a_weight_of_1_is_the_plain_mean(setup):
+    """One step from the same weights on the same rows: weighting the exercises' answers moves the loss (the
+    answers are harder to predict than the average token early on), and a weight of 1 is the plain mean."""
+    from warm_start.demos import shuffled_world_observations
+    from warm_start.sft import pretrain_on_texts
+
+    cfg, tok, *_ = setup
+    texts = shuffled_world_observations(Path(cfg.data.world_dir) / "world.json", 1, 0, questions=True)
+    first = {w: pretrain_on_texts(_model(cfg.model.path), tok, texts, 1, 8, 1e-3, 0, 0, packing="texts",
+                                  answer_weight=w)[0] for w in (1.0, 4.0)}  # fmt: skip
+    plain = pretrain_on_texts(_model(cfg.model.path), tok, texts, 1, 8, 1e-3, 0, 0, packing="texts")[0]
+    assert first[1.0] == pytest.approx(plain, rel=1e-6) and abs(first[4.0] - first[1.0]) > 1e-3, first

@@ -157,8 +157,10 @@ def test_the_evaluator_beside_training_asks_what_a_rollout_actor_asks_and_counts
     assert cfg.evaluators == 1
     assert ("evaluator", 1, {"CPU": 0.5, "rollout": 1.0}) in cfg.placement()
     assert ("evaluator", 1, 0.5) in cfg.actor_asks("CPU")
-    # no evaluations due (every_steps 0), or not beside: no evaluator
-    assert load_config(None, ["eval.beside=true"]).evaluators == 0
+    # not beside, or no evaluation due before the last step (the end one runs on rollout actor 0): no evaluator
+    assert load_config(None, ["eval.every_steps=5", "eval.beside=true", "learner.total_steps=5"]).evaluators == 0
+    with pytest.raises(ConfigError, match="eval.beside=true needs eval.every_steps > 0"):
+        load_config(None, ["eval.beside=true"])
     assert load_config(None, ["eval.every_steps=5"]).evaluators == 0
     assert all(w != "evaluator" for w, _, _ in load_config(None, ["eval.every_steps=5"]).actor_asks("CPU"))
     # buffer 0 + a rollout actor 0.5 + a learner rank 0.5 fit 1 CPU; with the evaluator they need 1.5

@@ -62,3 +62,20 @@ def test_reading_is_scored_on_exactly_the_answer_tokens(world_dir, tiny_model_di
 
     scores = reading_scores(Predicts(vocab, all_but_answer), tok, items, batch_size=4)
     assert scores["all"] == 0.0 and set(scores) >= {"birth_year", "occupation"}
+
+    # nor one wrong only on the answer's last token (a year's last digit)
+    def all_but_last(ids, t):
+        n = next(len(k) for k in starts if list(k) == ids[: len(k)].tolist())
+        return 0 if t == n - 2 else (int(ids[t + 1]) if t + 1 < len(ids) else 0)
+
+    assert reading_scores(Predicts(vocab, all_but_last), tok, items, batch_size=4)["all"] == 0.0
+
+
+def test_the_scored_tokens_are_the_answer_and_nothing_else(world_dir, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for it in reading_items(world_dir / "world.json", seed=1, per_relation=3):
+        ids, start = _encode(tok, it)
+        assert tok.decode(ids[start:]).strip() == it.answer, it
+        assert tok.decode(ids[:start]).rstrip().endswith("?")
