@@ -52,7 +52,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from async_agent_rl.config import Config
 from async_agent_rl.data.corpus import Passage
@@ -358,27 +358,37 @@ def shuffled_world_observations(world_file: str | Path, copies: int, seed: int =
     by single-hop questions about them and their answers, ``questions_per_doc`` per document (drawn without repeats
     from all the questions about the group's documents).
     """
-    from async_agent_rl.data.world import describe, questions_about, read_entities, shuffle_facts
+    from async_agent_rl.data.world import questions_about, read_entities, shuffle_facts
 
     entities = read_entities(world_file)
     rng = random.Random(seed)
     texts: list[str] = []
     for _ in range(copies):
         world = shuffle_facts(entities, rng)
-        passages = [Passage(str(i), f'"{e.name}"\n{describe(e)}') for i, e in enumerate(world.values())]
-        rng.shuffle(passages)
-        i = 0
-        while i < len(passages):
-            k = rng.randint(1, max_docs)
-            text = render_information(passages[i : i + k])
+        for group in observation_groups(world, rng, max_docs):
+            text = render_information(group)
             if questions:  # reading exercises: single-hop questions about these documents, answered from them
-                shown = [world[p.title.strip('"')] for p in passages[i : i + k]]
+                shown = [world[p.title.strip('"')] for p in group]
                 qs = [q for e in shown for q in questions_about(e, world, rng, 0.0)]
                 ask = min(len(qs), questions_per_doc * len(shown))
                 text += "".join(f"\n{q.question} {q.answers[0]}" for q in rng.sample(qs, ask))
             texts.append(text)
-            i += k
     return texts
+
+
+def observation_groups(world: dict[str, Any], rng: random.Random, max_docs: int = 3) -> Iterator[list[Passage]]:
+    """The passages of every entity of ``world`` (an entity table, ``world.read_entities``), shuffled and cut into
+    groups of 1..``max_docs``, each group one pretraining observation. Lazy: each group's size is drawn from
+    ``rng`` when it is asked for, after whatever the caller drew for the previous one."""
+    from async_agent_rl.data.world import describe
+
+    passages = [Passage(str(i), f'"{e.name}"\n{describe(e)}') for i, e in enumerate(world.values())]
+    rng.shuffle(passages)
+    i = 0
+    while i < len(passages):
+        k = rng.randint(1, max_docs)
+        yield passages[i : i + k]
+        i += k
 
 
 def shuffled_world_demonstrations(

@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 import torch
 
-from async_agent_rl.data.corpus import Passage
 from async_agent_rl.render import render_information
 
 # the check's shuffled copy comes from a random stream of its own (the pretraining draws all its copies from one
@@ -42,17 +41,13 @@ class ReadingItem:
 def reading_items(world_file: str | Path, seed: int, per_relation: int = 40, max_docs: int = 3) -> list[ReadingItem]:
     """Up to ``per_relation`` single-hop questions of every relation, each after a group of 1..``max_docs``
     documents of a fact-shuffled copy of the world (``seed``) that shows its subject."""
-    from async_agent_rl.data.world import describe, questions_about, read_entities, shuffle_facts
+    from async_agent_rl.data.world import questions_about, read_entities, shuffle_facts
+    from warm_start.demos import observation_groups
 
     rng = random.Random(seed + READING_SEED_OFFSET)
     world = shuffle_facts(read_entities(world_file), rng)
-    passages = [Passage(str(i), f'"{e.name}"\n{describe(e)}') for i, e in enumerate(world.values())]
-    rng.shuffle(passages)
     by_relation: dict[str, list[ReadingItem]] = {}
-    i = 0
-    while i < len(passages):
-        group = passages[i : i + rng.randint(1, max_docs)]
-        i += len(group)
+    for group in observation_groups(world, rng, max_docs):  # grouped as the pretraining's observations are
         shown = render_information(group)
         for p in group:
             e = world[p.title.strip('"')]
