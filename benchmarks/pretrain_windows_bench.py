@@ -29,6 +29,8 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from async_agent_rl.config import load_config
+from warm_start.exercises import encode_with_offsets, token_span
+from warm_start.exercises import exercises as exercises_of
 from warm_start.sft import PRETRAIN_SEQ_LEN, _pretrain_texts
 
 if __package__:  # imported as benchmarks.pretrain_windows_bench
@@ -37,28 +39,22 @@ else:  # run as python benchmarks/pretrain_windows_bench.py: this folder is sys.
     import record
 
 _DOC = re.compile(r'Doc \d+\(Title: "([^"]+)"\)[^\n<]*')
-_EXERCISE = re.compile(r"\n([^\n?]+)\? ([^\n]+)")
 
 
 def exercises(tokenizer: Any, texts: list[str]) -> tuple[list[tuple[int, int, int, int]], int, list[int]]:
     """Every exercise as (answer start, answer end, passage start, passage end) in stream token positions, the
     stream's length, and each text's length in tokens."""
     items, pos, lengths = [], 0, []
-    for t in texts:
-        enc = tokenizer(t, add_special_tokens=False, return_offsets_mapping=True)
-        offsets, n = enc["offset_mapping"], len(enc["input_ids"])
-        ends = [b for _, b in offsets]
-
-        def token_at(c: int) -> int:  # the first token that ends after character c
-            return next((k for k, b in enumerate(ends) if b > c), n)
-
+    for t, (ids, offsets) in zip(texts, encode_with_offsets(tokenizer, texts)):
+        n = len(ids)
         docs = [(m.start(), m.end(), m.group(1)) for m in _DOC.finditer(t)]
-        for m in _EXERCISE.finditer(t):
-            doc = next((d for d in docs if d[2] in m.group(1)), None)
+        for ex in exercises_of(t):
+            doc = next((d for d in docs if d[2] in ex.question), None)
             if doc is None:
                 continue
-            items.append((pos + token_at(m.start(2)), pos + token_at(m.end(2) - 1) + 1,
-                          pos + token_at(doc[0]), pos + token_at(doc[1] - 1) + 1))
+            a0, a1 = token_span(offsets, ex.answer_start, ex.answer_end)
+            d0, d1 = token_span(offsets, doc[0], doc[1])
+            items.append((pos + a0, pos + a1, pos + d0, pos + d1))
         pos += n
         lengths.append(n)
     return items, pos, lengths

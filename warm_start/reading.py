@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from async_agent_rl.render import render_information
+from warm_start.exercises import encode_with_offsets, token_span
 
 # the check's shuffled copy comes from a random stream of its own (the pretraining draws all its copies from one
 # stream seeded with sft.seed), so it is a fresh permutation of the facts, not one the pretraining trained on
@@ -64,10 +65,9 @@ def reading_items(world_file: str | Path, seed: int, per_relation: int = 40, max
 def _encode(tokenizer: Any, item: ReadingItem) -> tuple[list[int], int]:
     """The item's tokens (context, a space, the answer) and the index of the answer's first token."""
     text = f"{item.context} {item.answer}"
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    start = next(k for k, (a, b) in enumerate(offsets) if b > len(item.context))  # the token that reaches the answer
-    return list(ids), max(1, start)
+    ((ids, offsets),) = encode_with_offsets(tokenizer, [text])
+    start, _ = token_span(offsets, len(item.context), len(text))  # the token that reaches past the context
+    return ids, max(1, start)
 
 
 def reading_scores(model: Any, tokenizer: Any, items: Sequence[ReadingItem], batch_size: int = 32) -> dict[str, float]:

@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import random
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -50,6 +49,7 @@ from async_agent_rl.config import Config
 from async_agent_rl.lr_schedule import lr_factor
 from async_agent_rl.progress import Progress
 from async_agent_rl.records import Trajectory
+from warm_start.exercises import encode_with_offsets, exercises, token_span
 
 log = logging.getLogger(__name__)
 
@@ -371,18 +371,17 @@ def padded_rows(rows: Sequence[list[int]], pad_id: int,
     return x, targets, w
 
 
-_EXERCISE = re.compile(r"\n[^\n?<>]+\? ([^\n]+)")  # a reading exercise after the observation: question? answer
-
-
-def answer_weights(tokenizer: Any, texts: Sequence[str], weight: float) -> list[list[float]]:
-    """Per text, one weight per token: ``weight`` for the tokens of a reading exercise's answer (the text after
-    ``</information>``, each line ``question? answer``), 1 for every other token."""
+def answer_weights(texts: Sequence[str], offsets: Sequence[Sequence[tuple[int, int]]],
+                   weight: float) -> list[list[float]]:
+    """Per text, one weight per token (``offsets``: each token's character span, ``exercises.encode_with_offsets``):
+    ``weight`` for the tokens of a reading exercise's answer (``exercises.exercises``), 1 for every other token."""
     out = []
-    for t in texts:
-        end = t.rfind("</information>")
-        spans = [(m.start(1), m.end(1)) for m in _EXERCISE.finditer(t, max(end, 0))]
-        offsets = tokenizer(t, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        out.append([weight if any(a < e and b > s for s, e in spans) else 1.0 for a, b in offsets])
+    for t, offs in zip(texts, offsets):
+        w = [1.0] * len(offs)
+        for ex in exercises(t):
+            first, end = token_span(offs, ex.answer_start, ex.answer_end)
+            w[first:end] = [weight] * (end - first)
+        out.append(w)
     return out
 
 
@@ -411,9 +410,14 @@ def pretrain_on_texts(
     tokens (``answer_weights``), the loss then the weighted mean. ``threads`` picks torch's thread count step by step
     (``ThreadTuner``; None: leave it); ``progress`` is updated after every step."""
     if packing == "texts":
-        kept = [(t, ids) for t, ids in zip(texts, encode_texts(tokenizer, texts)) if len(ids) > 1]
-        encoded = [ids for _, ids in kept]
-        weights = answer_weights(tokenizer, [t for t, _ in kept], answer_weight) if answer_weight != 1.0 else None
+        if answer_weight != 1.0:  # one tokenization gives the ids and where each exercise's answer is
+            kept = [(t, ids, offs) for t, (ids, offs) in zip(texts, encode_with_offsets(tokenizer, texts))
+                    if len(ids) > 1]
+            weights = answer_weights([t for t, _, _ in kept], [offs for _, _, offs in kept], answer_weight)
+        else:
+            kept = [(t, ids, None) for t, ids in zip(texts, encode_texts(tokenizer, texts)) if len(ids) > 1]
+            weights = None
+        encoded = [ids for _, ids, _ in kept]
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         batches: Iterator[tuple[Tensor, Tensor, Tensor | None]] = (
             padded_rows([encoded[i] for i in rows], pad_id, [weights[i] for i in rows] if weights else None)

@@ -41,16 +41,9 @@ def test_only_the_reading_exercises_answers_are_weighted():
 
     text = ('\n\n<information>Doc 1(Title: "Ann Lee") Ann Lee is a poet born in 1939 in Paris.</information>\n\n'
             "\nIn what year was Ann Lee born? 1939\nWhat is the occupation of Ann Lee? poet")
-    (w,) = answer_weights(CharTokenizer(), [text], 5.0)
+    (w,) = answer_weights([text], [[(i, i + 1) for i in range(len(text))]], 5.0)  # one token per character
     weighted = "".join(ch for ch, x in zip(text, w) if x == 5.0)
     assert weighted == "1939poet"  # the answers only: not the year and occupation the passage shows
-
-
-class CharTokenizer:
-    """One token per character (offsets as a fast tokenizer gives them)."""
-
-    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-        return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
 
 
 def test_no_text_is_an_error_not_an_endless_loop():
