@@ -452,10 +452,10 @@ def pretrain_on_texts(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
-        if threads:
+        if threads:  # cost per position computed, padding included
             threads.after_step(time.perf_counter() - t_step, x.numel())
-        if progress:
-            seen += x.numel()
+        if progress:  # the texts' tokens, not the padding: each row's targets and its first token
+            seen += int((targets != -100).sum()) + x.shape[0]
             progress.update(step + 1, tokens=seen, loss=losses[-1])
         if on_step:
             on_step({"stage": "pretrain", "step": step + 1, "loss": losses[-1]})

@@ -59,3 +59,27 @@ def test_an_answer_weight_without_whole_texts_is_a_config_error():
             load_config(None, ["sft.pretrain_answer_weight=4", *without])
     ok = ["sft.pretrain_answer_weight=4", "sft.pretrain_packing=texts", "sft.pretrain_questions=true"]
     assert load_config(None, ok).sft.pretrain_answer_weight == 4
+
+
+def test_progress_counts_the_texts_tokens_not_the_padding(tok, tiny_model_dir):
+    """With whole texts as rows a batch is padded to its longest text; the progress line's token count (and so its
+    tokens/s) counts the texts' own tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from warm_start.sft import encode_texts, pretrain_on_texts
+
+    texts = ["a short one", "a text that is quite a bit longer than the short one, by many tokens"]
+    lengths = [len(ids) for ids in encode_texts(tok, texts)]
+    assert lengths[0] < lengths[1]
+
+    class Seen:
+        tokens = 0
+
+        def update(self, step, tokens=0, loss=None):
+            self.tokens = tokens
+
+    seen = Seen()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    pretrain_on_texts(model, tok, texts, steps=3, batch_size=2, lr=1e-4, warmup_steps=0, seed=0, packing="texts",
+                      progress=seen)
+    assert seen.tokens == 3 * sum(lengths)  # every step holds both texts once; padded it would be 3 * 2 * max
