@@ -3,7 +3,7 @@ server, buffer, DeepSpeed learner, weight publishing) makes the agent search, wh
 the held-out greedy agent answers more questions right.
 
 The warm start is the quickstart's recipe, shortened and without its reading exercises: shuffled-world pretraining
-(300 steps, ``sft.pretrain_questions=false``), then one epoch over 20000 demonstrations of the imperfect expert (half of them answer without searching, half of the searching bridge
+(300 steps of 128-token windows, ``sft.pretrain_questions=false``), then one epoch over 20000 demonstrations of the imperfect expert (half of them answer without searching, half of the searching bridge
 ones stop after one search). Greedy, it never searches on held-out questions (EM about 0.03, lucky guesses). The RL
 part is the quickstart's with a higher learning rate (5e-4) for 24 steps.
 
@@ -52,6 +52,7 @@ def test_rl_makes_the_agent_search_and_answer_more_held_out_questions(tmp_path, 
     cfg = load_config(REPO / "configs/quickstart.yaml", [
         f"run.output_dir={tmp_path}", "run.name=learn", *world_overrides(world_dir, tiny_model_dir),
         "sft.num_demos=20000", "sft.pretrain_steps=300", "sft.pretrain_questions=false", "learner.lr=5e-4", f"learner.total_steps={STEPS}",
+        "sft.pretrain_packing=windows", "sft.pretrain_answer_weight=1",
         "eval.num_questions=0", "eval.every_steps=0", "monitoring.enabled=false",
     ])  # fmt: skip
     summary = Trainer(cfg, quiet=True).run()
