@@ -434,6 +434,14 @@ class SFTConfig(_Section):
     expert_second_hop_prob: float = Field(
         1.0, ge=0.0, le=1.0, description="share of searching bridge demonstrations that make the second search; the "
         "rest stop after the first and answer the bridge entity they found")
+    reading_target: float = Field(
+        0.0, ge=0.0, le=1.0, description="embedded world only: after the demonstrations stage, check per relation "
+        "that the model reads its answer in thorough episodes on a fact-shuffled copy of the world (teacher-forced, "
+        "train subjects, warm_start.reading); while a relation reads below this share, train reading_round_steps "
+        "more on thorough episodes of fact-shuffled copies, half of them of the relations below it (0: no check)")
+    reading_round_steps: int = Field(250, ge=1, description="reading_target: optimizer steps per round")
+    reading_max_rounds: int = Field(4, ge=1, description="reading_target: rounds at most (then the warm start "
+                                    "ends with whatever it reads, said in one line and in sft_summary.json)")
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)

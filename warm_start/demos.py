@@ -52,7 +52,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 from async_agent_rl.config import Config
 from async_agent_rl.data.corpus import Passage
@@ -241,7 +241,7 @@ class DemoExpert:
         if behaviour == GUESS and not self.cfg.sft.guess_value_loss:
             mask_value(self.tokenizer, traj, last, answer)
         traj.meta.extra = {"demo": True, "hops": ex.extra.get("hops"), "queries": list(queries),
-                           "behaviour": behaviour}
+                           "behaviour": behaviour, "relation": ex.extra.get("relation"), "answer": answer}
         return traj
 
     def _why_unfinished(self, ex: QAExample, engine: ExpertEngine, runner: EpisodeRunner, traj: Trajectory) -> None:
@@ -262,17 +262,25 @@ def mask_value(tokenizer: Any, traj: Trajectory, turn: Any, value: str) -> None:
     """Set ``loss_mask`` 0 on the tokens of ``turn`` (a span of ``traj.response_ids``) that spell ``value`` (its last
     occurrence in the turn's text: the answer inside ``<answer> ... </answer>``): every token whose decoded
     characters overlap the value's. The rest of the turn (the decision to answer, the tags) stays a target."""
+    for k in value_tokens(tokenizer, traj, turn, value):
+        traj.loss_mask[k] = 0
+
+
+def value_tokens(tokenizer: Any, traj: Trajectory, turn: Any, value: str) -> list[int]:
+    """The indices into ``traj.response_ids`` of the tokens of ``turn`` that spell ``value`` (its last occurrence in
+    the turn's text): every token whose decoded characters overlap the value's."""
     ids = traj.response_ids[turn.start : turn.end]
     text = tokenizer.decode(ids, skip_special_tokens=False)
     at = text.rfind(value)
     if at < 0:
         raise DemoError(traj.meta.trajectory_id, "answer_roundtrip", f"{value!r} is not in the answer turn {text!r}")
     ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=False)) for k in range(len(ids))]
-    begin = 0
+    out, begin = [], 0
     for k, end in enumerate(ends):
         if begin < at + len(value) and end > at:  # token k spells characters [begin, end) of the turn
-            traj.loss_mask[turn.start + k] = 0
+            out.append(turn.start + k)
         begin = end
+    return out
 
 
 def make_demonstrations(
@@ -399,16 +407,36 @@ def shuffled_world_demonstrations(
     copies: int,
     seed: int = 0,
     report: DemoReport | None = None,
+    relations: Collection[str] | None = None,
 ) -> list[Trajectory]:
     """``n`` demonstrations spread over ``copies`` fact-shuffled copies of the embedded world.
 
     Each copy (``world.shuffle_facts`` of ``data.world_dir/world.json``) keeps every name and sentence shape but
     permutes each attribute among the entities of one kind, gets its own search index over its own passages (the
     configured backend), and asks the world's question templates about the SUBJECTS OF ``train_examples`` only
-    (held-out subjects are never asked about). A fact differs from copy to copy, so an answer can only be got right
-    by reading the observation: the warm start learns to read instead of memorizing train answers, and nothing true
-    about any entity is taught.
+    (held-out subjects are never asked about); with ``relations``, only questions of those relations. A fact
+    differs from copy to copy, so an answer can only be got right by reading the observation: the warm start learns
+    to read instead of memorizing train answers, and nothing true about any entity is taught.
     """
+    rng = random.Random(seed)
+    per_copy = -(-n // copies) if copies >= 1 else 0
+    out: list[Trajectory] = []
+    for c, (examples, backend) in enumerate(shuffled_worlds(cfg, train_examples, copies, rng, relations)):
+        take = min(per_copy, n - len(out))
+        if take > 0:
+            out += make_demonstrations(cfg, tokenizer, examples, backend, take, seed=seed + c, report=report)
+    return out
+
+
+def shuffled_worlds(
+    cfg: Config,
+    train_examples: Sequence[QAExample],
+    copies: int,
+    rng: random.Random,
+    relations: Collection[str] | None = None,
+) -> Iterator[tuple[list[QAExample], SearchBackend]]:
+    """``copies`` fact-shuffled copies of the embedded world, one at a time: the questions about the subjects of
+    ``train_examples`` (of ``relations`` only, when given) and a search index over the copy's passages."""
     from async_agent_rl.data.world import passages_of, questions_about, read_entities, shuffle_facts
     from retriever.backends import open_backend
 
@@ -421,9 +449,6 @@ def shuffled_world_demonstrations(
     subjects = sorted({s for ex in train_examples if (s := ex.extra.get("subject")) in entities})
     if not subjects:
         raise DemoError("*", "no_world_subject", "no train question names an entity of the world")
-    rng = random.Random(seed)
-    per_copy = -(-n // copies)
-    out: list[Trajectory] = []
     for c in range(copies):
         world = shuffle_facts(entities, rng)
         passages = [Passage(id=p["id"], contents=p["contents"]) for p in passages_of(world)]
@@ -434,12 +459,13 @@ def shuffled_world_demonstrations(
         examples = []
         for name in subjects:
             for q in questions_about(world[name], world, rng, cfg.data.world.two_hop_fraction):
+                if relations is not None and q.relation not in relations:
+                    continue
                 examples.append(QAExample(
                     id=f"shuffled{c}/{len(examples)}", question=q.question, gold_answers=q.answers,
                     data_source=q.data_source, split="train", index=len(examples),
                     extra={"subject": q.subject, "hops": q.hops, "relation": q.relation, "bridge": q.bridge},
                 ))
-        take = min(per_copy, n - len(out))
-        if take > 0:
-            out += make_demonstrations(cfg, tokenizer, examples, backend, take, seed=seed + c, report=report)
-    return out
+        if not examples:
+            raise DemoError("*", "no_question", f"no question of the relations {sorted(relations or [])}")
+        yield examples, backend

@@ -99,3 +99,76 @@ def reading_scores(model: Any, tokenizer: Any, items: Sequence[ReadingItem], bat
 def scores_line(scores: dict[str, float]) -> str:
     """``birth_year 0.97, occupation 0.40, ...; all 0.81``."""
     return ", ".join(f"{k} {v:.2f}" for k, v in scores.items() if k != "all") + f"; all {scores['all']:.2f}"
+
+
+# ---- reading in the episodes' own format -------------------------------------------------------------------------
+# The check above reads in the pretraining's format. The one below reads where an answer is produced in RL: in the
+# scripted expert's thorough episodes (prompt, searches, the retriever's real observations), on a fact-shuffled copy
+# of the world that no training text used, about train subjects. A memorized answer is wrong there (every fact is
+# permuted), so a relation scores high only when its value is read from the passage the episode shows.
+
+EPISODE_READING_SEED_OFFSET = 104_729
+
+
+def thorough(cfg: Any) -> Any:
+    """``cfg`` with the expert searching as needed in every episode (no guesses, every second hop taken)."""
+    return cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"expert_search_prob": 1.0,
+                                                                    "expert_second_hop_prob": 1.0})})
+
+
+def episode_reading_demos(cfg: Any, tokenizer: Any, train_examples: Sequence[Any], seed: int,
+                          per_relation: int = 32) -> list[Any]:
+    """Up to ``per_relation`` thorough expert episodes of every relation, on a fact-shuffled copy of the world of its
+    own (``seed``), about the subjects of ``train_examples``. Questions the expert cannot demonstrate are left out."""
+    from warm_start.demos import DemoError, DemoExpert, shuffled_worlds
+
+    cfg = thorough(cfg)
+    rng = random.Random(seed + EPISODE_READING_SEED_OFFSET)
+    ((examples, backend),) = shuffled_worlds(cfg, train_examples, 1, rng)
+    by_relation: dict[str, list[Any]] = {}
+    for ex in examples:
+        by_relation.setdefault(str(ex.extra["relation"]), []).append(ex)
+    expert = DemoExpert(cfg, tokenizer, backend)
+    chosen = [ex for rel in sorted(by_relation) for ex in rng.sample(by_relation[rel], min(per_relation,
+                                                                                          len(by_relation[rel])))]
+    expert.prefetch(chosen)
+    demos = []
+    for ex in chosen:
+        try:
+            demos.append(expert.demonstrate(ex))
+        except DemoError:
+            pass  # not demonstrable on this copy (the retriever does not surface the answer): no reading to check
+    return demos
+
+
+def episode_reading_scores(model: Any, tokenizer: Any, demos: Sequence[Any], batch_size: int = 16) -> dict[str, float]:
+    """Per relation, the share of ``demos`` (thorough expert episodes) whose final answer's every token is the model's
+    most likely next token given the episode before it (teacher-forced greedy reading); keys sorted, plus ``all``."""
+    from warm_start.demos import value_tokens
+
+    rows = []
+    for d in demos:
+        ids = list(d.prompt_ids) + list(d.response_ids)
+        at = [len(d.prompt_ids) + k for k in value_tokens(tokenizer, d, d.turns[-1], d.meta.extra["answer"])]
+        rows.append((ids, at, str(d.meta.extra.get("relation"))))
+    right: dict[str, list[bool]] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in range(0, len(rows), batch_size):
+                chunk = rows[b : b + batch_size]
+                width = max(len(ids) for ids, _, _ in chunk)
+                x = torch.zeros((len(chunk), width), dtype=torch.long)
+                for r, (ids, _, _) in enumerate(chunk):
+                    x[r, : len(ids)] = torch.tensor(ids)
+                guess = model(input_ids=x).logits.argmax(-1)  # right padding: real tokens never see it
+                for r, (_, at, rel) in enumerate(chunk):
+                    pos = torch.tensor(at)
+                    right.setdefault(rel, []).append(bool((guess[r, pos - 1] == x[r, pos]).all()))
+    finally:
+        model.train(was_training)
+    scores = {rel: sum(v) / len(v) for rel, v in sorted(right.items())}
+    scores["all"] = sum(sum(v) for v in right.values()) / max(1, sum(len(v) for v in right.values()))
+    return scores
+

@@ -63,7 +63,8 @@ RETRIEVER_KEYS = ("backend", "topk", "index_dir", "dense_model", "faiss_index", 
 
 SFT_DEFAULTS = {("threads", 0), ("pretrain_questions_per_doc", 1), ("guess_value_loss", True),
                 ("frozen_embeddings", "names"), ("pretrain_packing", "windows"),
-                ("pretrain_answer_weight", 1.0)}  # left out of warm_start_inputs at these values
+                ("pretrain_answer_weight", 1.0), ("reading_target", 0.0), ("reading_round_steps", 250),
+                ("reading_max_rounds", 4)}  # left out of warm_start_inputs at these values
 
 
 def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
@@ -752,6 +753,10 @@ def run_sft(
             kept["sft"] = tuner.kept()
             if bar:
                 bar.close(_mean_last(losses), f"threads {_counts_text(kept['sft'])}")
+            t_read = time.perf_counter()
+            rounds = read_every_relation(cfg, model, tokenizer, pad_id, record, threads, progress) \
+                if s.reading_target > 0 else []
+            reading_seconds = time.perf_counter() - t_read
         finally:
             torch.set_num_threads(threads_before)
 
@@ -766,6 +771,8 @@ def run_sft(
         "pretrain_steps": pretrain_steps,
         "pretrain_final_loss": sum(pre_losses[-10:]) / len(pre_losses[-10:]) if pre_losses else None,
         "reading_after_pretraining": reading,
+        "reading_rounds": rounds,
+        "reading_seconds": reading_seconds,
         "frozen_rows": len(frozen),
         "demos": len(demos),
         "single_hop_demos": sum(d.meta.extra.get("hops") == 1 for d in demos),
@@ -775,7 +782,7 @@ def run_sft(
         "loss_tokens": loss_tokens,
         "tokens": tokens,
         "tokens_per_s": tokens / sft_seconds if sft_seconds > 0 else 0.0,
-        "seconds": pretrain_seconds + sft_seconds,
+        "seconds": pretrain_seconds + sft_seconds + reading_seconds,
         "pretrain_seconds": pretrain_seconds,
         "demo_seconds": demo_seconds,
         "threads": kept,
@@ -785,6 +792,72 @@ def run_sft(
     if progress:
         print(summary_line(summary), flush=True)
     return summary
+
+
+READING_ROUND_SEED = 1_000  # the rounds' shuffled copies: seeds sft.seed + READING_ROUND_SEED + 2r (and + 1)
+
+
+def read_every_relation(
+    cfg: Config,
+    model: Any,
+    tokenizer: Any,
+    pad_id: int,
+    record: Callable[[dict[str, Any]], None],
+    threads: ThreadTuner | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """``sft.reading_target``: train until the model reads every relation, relation by relation.
+
+    Which relations a warm start learns to read in its demonstrations stage is chance (benchmarks/RESULTS.md,
+    "Learning on every warm start"): most read, about one (birth years, occupations, a city's country...) does not,
+    and RL does not teach it. So: check reading per relation (``warm_start.reading.episode_reading_scores``: thorough
+    expert episodes on a fact-shuffled copy of the world of its own, about train subjects, teacher-forced; a
+    memorized answer is wrong there); while some relation reads below the target, train ``sft.reading_round_steps``
+    steps on thorough expert episodes of a new fact-shuffled copy, half of them questions of the relations below the
+    target and half of every relation (so what is read is kept), at ``sft.lr`` with warmup and a cosine to 0 per
+    round; then check again, at most ``sft.reading_max_rounds`` rounds. Returns one record per check (``round``,
+    ``scores``, ``below``, and ``steps`` trained after it); each check is a log line (and a printed one with
+    ``progress``), each step a metrics line (``stage`` = reading)."""
+    from async_agent_rl.data.search_r1 import read_qa_files
+    from warm_start.demos import shuffled_world_demonstrations
+    from warm_start.reading import episode_reading_demos, episode_reading_scores, scores_line, thorough
+
+    s = cfg.sft
+    examples, _ = read_qa_files(cfg.data.train_files, cfg.data.on_bad_row)
+    check = episode_reading_demos(cfg, tokenizer, examples, s.seed)
+    expert = thorough(cfg)
+    rounds: list[dict[str, Any]] = []
+    done = 0
+    for r in range(s.reading_max_rounds + 1):
+        scores = episode_reading_scores(model, tokenizer, check)
+        below = [k for k, v in scores.items() if k != "all" and v < s.reading_target]
+        rounds.append({"round": r, "scores": scores, "below": below, "steps": 0})
+        last = not below or r == s.reading_max_rounds
+        then = "done" if not below else ("rounds used up" if last else
+                                         f"{s.reading_round_steps} more steps, half on {', '.join(below)}")
+        line = f"[sft] reads (episodes on a shuffled copy, {len(check)}): {scores_line(scores)} -> {then}"
+        log.info("%s", line)
+        if progress:
+            print(line, flush=True)
+        if last:
+            break
+        seed = s.seed + READING_ROUND_SEED + 2 * r
+        n = s.reading_round_steps * s.batch_size
+        demos = shuffled_world_demonstrations(expert, tokenizer, examples, n // 2, 1, seed=seed, relations=below)
+        demos += shuffled_world_demonstrations(expert, tokenizer, examples, n - n // 2, 1, seed=seed + 1)
+        plan = epoch_batches([d.total_length for d in demos], s.batch_size, 1, seed)
+
+        def record_round(m: dict[str, Any], r: int = r) -> None:
+            record({**m, "stage": "reading", "round": r + 1, "step": done + m["step"]})
+
+        bar = Progress(f"[sft] reading round {r + 1}", len(plan)) if progress else None
+        losses, _, _ = train_on_demos(model, demos, plan, s.lr, s.warmup_steps, pad_id, record_round,
+                                      threads=threads or ThreadTuner.for_config(s.threads), progress=bar)
+        if bar:
+            bar.close(_mean_last(losses), "")
+        rounds[-1]["steps"] = len(plan)
+        done += len(plan)
+    return rounds
 
 
 def _mean_last(xs: Sequence[float], k: int = 10) -> float:
@@ -803,8 +876,14 @@ def summary_line(s: dict[str, Any]) -> str:
     if s.get("pretrain_steps"):
         parts.append(f"pretraining {s['pretrain_steps']} steps in {duration(s['pretrain_seconds'])}, "
                      f"loss {s['pretrain_final_loss']:.3f}")
-    parts.append(f"demonstrations {s['steps']} steps in {duration(s['seconds'] - s['pretrain_seconds'])}, "
+    parts.append(f"demonstrations {s['steps']} steps in "
+                 f"{duration(s['seconds'] - s['pretrain_seconds'] - s.get('reading_seconds', 0.0))}, "
                  f"{s['tokens_per_s']:,.0f} tokens/s, loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}")
+    if s.get("reading_rounds"):
+        last = s["reading_rounds"][-1]
+        parts.append(f"reading checked {len(s['reading_rounds'])} times in {duration(s['reading_seconds'])}, "
+                     f"all {last['scores']['all']:.2f}" + (f", below target: {', '.join(last['below'])}"
+                                                          if last["below"] else ""))
     return (f"[sft] done in {duration(s['seconds'])} (+{duration(s['demo_seconds'])} making {s['demos']} "
             f"demonstrations): " + "; ".join(parts) + f" -> {s['out_dir']}")
 

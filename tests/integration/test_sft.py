@@ -276,3 +276,22 @@ def test_the_answer_weight_changes_the_pretraining_loss_and_a_weight_of_1_is_the
                                   answer_weight=w)[0] for w in (1.0, 4.0)}  # fmt: skip
     plain = pretrain_on_texts(_model(cfg.model.path), tok, texts, 1, 8, 1e-3, 0, 0, packing="texts")[0]
     assert first[1.0] == pytest.approx(plain, rel=1e-6) and abs(first[4.0] - first[1.0]) > 1e-3, first
+
+
+def test_reading_rounds_check_each_relation_and_train_while_one_reads_below_the_target(setup, tmp_path, capsys):
+    """``sft.reading_target``: after the demonstrations the warm start checks reading per relation on a shuffled
+    copy, trains a round while a relation is below the target (a tiny warm start reads almost nothing, so every
+    relation is), says each check in one line and keeps them in the summary."""
+    cfg, _, _, demos, _, _ = setup
+    c = cfg.model_copy(deep=True)
+    c.sft.epochs = 1
+    c.sft.reading_target, c.sft.reading_round_steps, c.sft.reading_max_rounds = 0.99, 3, 1
+    s = run_sft(c, cfg.model.path, tmp_path / "r", demos=demos[:16], pretrain_steps=0, log_every=0)
+    rounds = s["reading_rounds"]
+    assert [r["round"] for r in rounds] == [0, 1] and [r["steps"] for r in rounds] == [3, 0]
+    assert {"birth_year", "occupation", "country", "all"} <= set(rounds[0]["scores"]) and rounds[-1]["below"]
+    lines = [json.loads(x) for x in (tmp_path / "r" / METRICS_FILE).read_text().splitlines()]
+    assert [(m["stage"], m["step"]) for m in lines if m["stage"] == "reading"] == [("reading", k) for k in (1, 2, 3)]
+    out = capsys.readouterr().out
+    assert out.count("[sft] reads (episodes on a shuffled copy") == 2 and "rounds used up" in out
+    assert "reading checked 2 times" in out
