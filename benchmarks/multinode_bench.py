@@ -1,4 +1,4 @@
-"""Weight publish across nodes by model size, against a raw transfer of the same bytes across nodes (issue 33).
+"""Weight publish across nodes by model size, against a raw transfer of the same bytes across nodes.
 
     python benchmarks/multinode_bench.py                                  # ~8 minutes on 2 cores
     python benchmarks/multinode_bench.py --sizes 1m --publishes 3

@@ -1,5 +1,5 @@
 """A training that loses two rollout nodes, as a timeline: when each loss is seen, when the lost actor is back, and
-the steps around it (issue 33).
+the steps around it.
 
     python benchmarks/node_loss_bench.py                                  # ~5 minutes on 2 cores
     python benchmarks/node_loss_bench.py --steps 10

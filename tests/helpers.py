@@ -174,7 +174,7 @@ def shm_weight_dirs() -> set[Path]:
 
 def leaked_weight_dirs(before: set[Path], pids: set[int]) -> list[Path]:
     """Weight folders that appeared since ``before`` and are left now: those owned by one of ``pids``, and those
-    that name no owner (only code from before issue 13 made such folders)."""
+    that name no owner (only code from before 06bf086, 2026-11-24, made such folders)."""
     def owner(d: Path) -> int | None:
         part = d.name[len("aar_weights_"):].split("_", 1)[0]
         return int(part) if part.isdigit() and "_" in d.name[len("aar_weights_"):] else None

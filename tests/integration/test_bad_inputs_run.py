@@ -1,15 +1,15 @@
-"""Issue 13 on real components (real Ray, vLLM CPU engine, DeepSpeed learner), started the way a user does: the
-``async-agent-rl`` console script from an environment with no ``RAY_AUTH_*`` variable (cause 1).
+"""Bad inputs on real components (real Ray, vLLM CPU engine, DeepSpeed learner), started the way a user does: the
+``async-agent-rl`` console script from an environment with no ``RAY_AUTH_*`` variable.
 
 - The local Ray cluster that ``ray_init`` starts keeps Ray's token authentication on, in the driver and in every
   worker, and refuses an unauthenticated HTTP request; if authentication were off, every listening socket of the
-  cluster would have to be on loopback (cause 2).
+  cluster would have to be on loopback.
 - One short training whose ``retriever.url`` points at a closed port: it warns about the failed searches while it
-  runs and reports their counts in summary.json and the ``[done]`` line (cause 7); it leaves no copy of the policy
-  in /dev/shm (cause 9). Its newest checkpoint is then damaged and ``--resume`` falls back to the one before with a
-  warning naming the file (cause 6).
+  runs and reports their counts in summary.json and the ``[done]`` line; it leaves no copy of the policy
+  in /dev/shm. Its newest checkpoint is then damaged and ``--resume`` falls back to the one before with a
+  warning naming the file.
 - A training set where no prompt fits ``data.max_prompt_length`` stops with one ``error:`` line and exit 2
-  instead of hanging (cause 5).
+  instead of hanging.
 
 About 5 minutes on 2 cores."""
 

@@ -1,6 +1,6 @@
-"""Issue 13, cause 8 and the busy-port half of cause 3, over real loopback HTTP: deeply nested JSON is a 400 (not a
-backend failure), and a client that hangs up in the middle of its body is counted as gone (not a backend error).
-``retriever serve`` on a port that is in use: tests/integration/test_retriever_processes.py (slow tier)."""
+"""Bad inputs to the retrieval server (bad requests, a port in use), over real loopback HTTP: deeply nested JSON is a
+400 (not a backend failure), and a client that hangs up in the middle of its body is counted as gone (not a backend
+error). ``retriever serve`` on a port that is in use: tests/integration/test_retriever_processes.py (slow tier)."""
 
 from __future__ import annotations
 

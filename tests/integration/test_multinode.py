@@ -1,4 +1,4 @@
-"""Issue 33: the system on a multi-node Ray cluster. The cluster is one Ray's own tests build
+"""The system on a multi-node Ray cluster. The cluster is one Ray's own tests build
 (``ray.cluster_utils.Cluster``, here ``tests/multinode.py``): several raylets on this machine, each a node with its
 own resources and its own object store, all on 127.0.0.1, with token authentication; the drivers are separate
 processes that connect to it by address, as on a real cluster.

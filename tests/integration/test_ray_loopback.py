@@ -1,4 +1,4 @@
-"""Issue 22, exposure: the local Ray cluster a run starts (``driver.cluster.ray_init``, as ``async-agent-rl train``
+"""Exposure: the local Ray cluster a run starts (``driver.cluster.ray_init``, as ``async-agent-rl train``
 without ``cluster.ray_address`` does) listens on loopback only, in every one of its processes (GCS, raylet,
 dashboard and runtime-env agents, workers, actors), and runs with Ray's token authentication, as Ray itself reports
 it. Before, Ray rewrote the loopback node address to the host's routable one and its GCS, raylet, workers and agents

@@ -1,4 +1,4 @@
-"""Issue 33: a resume that loses nothing it promised, on a real short training (real Ray, vLLM CPU engine, DeepSpeed
+"""A resume that loses nothing it promised, on a real short training (real Ray, vLLM CPU engine, DeepSpeed
 learner, retrieval server).
 
 A run is stopped right after its checkpoint of step 2 (the actors still generating: episodes in flight), then

@@ -191,8 +191,8 @@ def stopped_actor_fleet(tmp_path, max_restarts: int) -> Fleet:
 
 
 def test_an_actor_that_stopped_generating_is_restarted_with_its_cause_on_the_console(tmp_path, capsys):
-    """Issue 22: supervision read only ``ready``; an actor alive but done (its push failed) was left alone and the
-    run waited for batches forever."""
+    """Until 9554d5e (2026-11-25), supervision read only ``ready``; an actor alive but done (its push failed) was left
+    alone and the run waited for batches forever."""
     fleet = stopped_actor_fleet(tmp_path, max_restarts=1)
     first_pid = ray.get(fleet.actors[0].stats.remote()).pid
     t0 = time.monotonic()
@@ -249,8 +249,9 @@ class HangsOnWeights(SlowFirstIncarnation):
 
 
 def test_a_publish_to_a_hung_actor_fails_in_time_and_supervision_restarts_it(tmp_path, capsys):
-    """Issue 22, seen in CI: a rollout actor stopped while the buffer still held a batch; the learner stepped and
-    the publish waited forever for the stopped actor (no limit, and the watchdog does not count publishes)."""
+    """Seen in CI before f0c1791 (2026-11-26): a rollout actor stopped while the buffer still held a batch; the learner
+    stepped and the publish waited forever for the stopped actor (no limit, and the watchdog does not count
+    publishes)."""
     cfg = load_config(None, ["cluster.actor_timeout_s=4", "rollout.group_size=2", "learner.batch_size=4",
                              "learner.mini_batch_size=4", "learner.micro_batch_size=4"])
     fleet = supervised(cfg, tmp_path, HangsOnWeights, quiet=False)
@@ -284,8 +285,8 @@ class SavesCheckpoint:
 
 
 def test_a_buffer_that_stopped_answering_ends_a_checkpoint_in_one_error_line_and_no_partial_copy(tmp_path):
-    """Issue 22: the driver asked the buffer with no limit between steps (stats, snapshot, lost episodes), so a
-    stopped buffer could hold the run past its watchdog."""
+    """Until f0c1791 (2026-11-26), the driver asked the buffer with no limit between steps (stats, snapshot, lost
+    episodes), so a stopped buffer could hold the run past its watchdog."""
     cfg = load_config(None, ["cluster.actor_timeout_s=3"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
     trainer.mon, trainer.buffer, trainer.learner, trainer.step = None, StoppedBuffer.remote(), SavesCheckpoint(), 2
@@ -376,9 +377,10 @@ class StoppedLearnerRank:
 
 
 def test_a_learner_that_stopped_during_a_checkpoint_ends_the_run_in_one_error_line_in_time(tmp_path):
-    """Issue 31: the learner's save had no limit (``LearnerGroup`` waited with a bare ``ray.get``): a learner stopped
-    while it saved held the driver for good. Now the group's long limit (``cluster.actor_setup_timeout_s``) ends it
-    with one error line naming the learner's call, and the partial copy is removed."""
+    """Until e4918d9 (2026-11-26), the learner's save had no limit (``LearnerGroup`` waited with a bare ``ray.get``): a
+    learner stopped while it saved held the driver for good. Now the group's long limit
+    (``cluster.actor_setup_timeout_s``) ends it with one error line naming the learner's call, and the partial copy is
+    removed."""
     from learner.actor import LearnerGroup, LearnerTimeout
 
     cfg = load_config(None, ["cluster.actor_timeout_s=3", "cluster.actor_setup_timeout_s=4"])
@@ -404,10 +406,10 @@ class SlowToStop(SlowFirstIncarnation):
 
 
 def test_a_finished_run_whose_actor_is_slow_to_stop_goes_on_with_its_last_stats(tmp_path, capsys):
-    """Issue 31: stopping the rollouts was bounded by ``cluster.actor_timeout_s`` while an actor's ``stop`` itself
-    may wait as long for its in-flight episodes, so a run whose steps were all done could end in error without
-    ``final/``. Now an actor that does not stop in time is left to Ray's shutdown, said in one line, and its last
-    stats stand for it."""
+    """Until e4918d9 (2026-11-26), stopping the rollouts was bounded by ``cluster.actor_timeout_s`` while an actor's
+    ``stop`` itself may wait as long for its in-flight episodes, so a run whose steps were all done could end in error
+    without ``final/``. Now an actor that does not stop in time is left to Ray's shutdown, said in one line, and its
+    last stats stand for it."""
     cfg = load_config(None, ["cluster.actor_timeout_s=2", "rollout.max_response_length=16", "rollout.max_obs_length=16",
                              "rollout.max_tokens_per_turn=16", "rollout.group_size=2",
                              "learner.batch_size=4", "learner.mini_batch_size=4", "learner.micro_batch_size=4"])
@@ -426,11 +428,11 @@ RAY_ARGUMENT_LINE = "has constructor arguments in the object store and max_resta
 
 
 def test_rollout_actors_start_without_rays_constructor_argument_line(capfd):
-    """Issue 31 follow-up: every training start showed Ray's ``core_worker.cc ... E ... has constructor arguments in
-    the object store and max_restarts > 0``, logged by this (the driver's) process when it creates an actor that
-    Ray may restart with an argument it keeps by reference: the buffer actor's handle was one. Created as the
-    driver creates them (the buffer now comes with ``setup``), restartable rollout actors give no such line. Ray
-    logs it once per process: a test before this one that logged it would hide it here."""
+    """Until 45c3a3e (2026-11-26), every training start showed Ray's ``core_worker.cc ... E ... has constructor
+    arguments in the object store and max_restarts > 0``, logged by this (the driver's) process when it creates an actor
+    that Ray may restart with an argument it keeps by reference: the buffer actor's handle was one. Created as the
+    driver creates them (the buffer now comes with ``setup``), restartable rollout actors give no such line. Ray logs it
+    once per process: a test before this one that logged it would hide it here."""
     from actors.rollout_actor import create_rollout_actors
 
     cfg = load_config(None, ["rollout.num_actors=2"])

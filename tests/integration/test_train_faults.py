@@ -53,7 +53,7 @@ def test_killed_rollout_actor_is_restarted_and_training_finishes_with_evaluation
     admission had no room left (tests/unit/test_staleness.py has the model of it). (The quickstart's eta with an
     actor killed is the fault-injection suite's first fault.)
 
-    Evaluations beside training (``eval.beside``, issue 33): the evaluator's process is frozen (SIGSTOP) as the
+    Evaluations beside training (``eval.beside``): the evaluator's process is frozen (SIGSTOP) as the
     evaluation of step 1 is handed to it and thawed after step 3: the learner goes on stepping meanwhile (the loop
     never waits for the evaluation), the evaluations due while it runs are skipped (one line, counted), and the
     step-1 evaluation is written once it is done, tagged with the step and the policy version it measured; the end

@@ -1,4 +1,4 @@
-"""Issue 22, "nothing stalls in silence", on a real short training (real Ray, vLLM CPU engine, buffer actor,
+"""Nothing stalls in silence, on a real short training (real Ray, vLLM CPU engine, buffer actor,
 DeepSpeed learner) run the way a user does, through the command line in a subprocess of its own:
 
 - a run whose learner never gets another batch after step 1 (the driver's sampler, patched in the driver process to

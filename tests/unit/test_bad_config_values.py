@@ -1,4 +1,4 @@
-"""Issue 13, cause 4: config values that used to be accepted and then failed later (or silently) are rejected
+"""Bad inputs: config values that used to be accepted and then failed later (or silently) are rejected
 when the config is loaded, with the dotted path in the message."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 31, "no wait without a bound": every wait on another Ray process in ``driver/``, ``actors/``, ``learner/`` and
+"""No wait without a bound: every wait on another Ray process in ``driver/``, ``actors/``, ``learner/`` and
 ``buffer/`` has a limit. A stopped component (SIGSTOP, a hang) never answers, and a wait without a limit held the
 driver for good (a checkpoint to a stopped learner, a collective publish to a stopped actor, a rollout actor's push
 to a stopped buffer).
@@ -86,8 +86,8 @@ def test_the_scan_finds_each_kind_of_unbounded_wait():
 
 
 def test_the_first_steps_limit_grows_with_the_config_and_a_small_config_keeps_the_floor():
-    """Issue 31: the first step always got a flat 600 s, and the GPU config (2,560 trajectories of up to 4,096
-    tokens, a 3B model) sets no ``cluster.progress_timeout_s``: its first step would be reported as a stall."""
+    """Until e4918d9 (2026-11-26), the first step always got a flat 600 s, and the GPU config (2,560 trajectories of up
+    to 4,096 tokens, a 3B model) sets no ``cluster.progress_timeout_s``: its first step would be reported as a stall."""
     from async_agent_rl.config import load_config
     from driver.limits import PROGRESS_FLOOR_S, first_step_s, stop_s
 

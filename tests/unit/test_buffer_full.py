@@ -1,4 +1,4 @@
-"""A full replay buffer never stalls a run (issue 31's follow-up): the rollout actor's own push path, without Ray.
+"""A full replay buffer never stalls a run: the rollout actor's own push path, without Ray.
 
 The model in ``test_staleness.py`` found it: with ``buffer.capacity_trajectories`` below what admission lets run
 (``(eta + 1) x`` a batch), a new group's first member refused for room held back, in the actor's in-order pushes,

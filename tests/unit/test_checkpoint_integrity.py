@@ -1,4 +1,4 @@
-"""Issue 13, cause 6: resume verifies checkpoints (a checksum manifest written last, the folder renamed into place),
+"""Bad inputs: resume verifies checkpoints (a checksum manifest written last, the folder renamed into place),
 skips damaged ones with a warning for the newest intact one, and refuses a checkpoint whose config no longer matches
 the run, naming the keys. Checkpoint folders here are laid out like the driver's, with stand-in file contents; the
 real save/resume round trip is in tests/integration/test_bad_inputs_run.py."""

@@ -1,4 +1,4 @@
-"""Issue 13, cause 3: every CLI failure on bad input is one ``error: ...`` line naming the file, row or key, and
+"""Bad inputs: every CLI failure on bad input is one ``error: ...`` line naming the file, row or key, and
 exit status 2; never a traceback. The CLI runs in-process (``main(argv)``); nothing here starts Ray, an engine or
 a server."""
 
@@ -153,8 +153,8 @@ def test_counts_below_one_are_refused_before_anything_starts(argv, flag, capsys)
 
 
 def test_a_folder_where_a_file_is_wanted_is_named_as_a_folder(files, tmp_path, capsys):
-    """Issue 31: a folder given as the config said "does not exist"; one given as a parquet file (``--data``,
-    ``data.test_files``) said "file not found"."""
+    """Until 54b4bb0 (2026-11-26), a folder given as the config said "does not exist"; one given as a parquet file
+    (``--data``, ``data.test_files``) said "file not found"."""
     folder = tmp_path / "configs"
     folder.mkdir()
     code, err = run_cli(["config", "show", "--config", str(folder)], capsys)
@@ -166,8 +166,8 @@ def test_a_folder_where_a_file_is_wanted_is_named_as_a_folder(files, tmp_path, c
 
 
 def test_a_file_where_an_output_folder_is_wanted_is_named(tmp_path, capsys):
-    """Issue 31: an existing file given as an output folder said "File exists" (a path through a file: "Not a
-    directory")."""
+    """Until 54b4bb0 (2026-11-26), an existing file given as an output folder said "File exists" (a path through a file:
+    "Not a directory")."""
     from async_agent_rl.errors import error_line
 
     corpus = tmp_path / "corpus.jsonl"
@@ -183,8 +183,8 @@ def test_a_file_where_an_output_folder_is_wanted_is_named(tmp_path, capsys):
 
 
 def test_a_listen_address_that_cannot_be_is_named(tmp_path, capsys):
-    """Issue 31: ``retriever serve --host 999.1.1.1`` ended in ``unexpected OSError``; now refused before the
-    corpus is read. An address no interface has (EADDRNOTAVAIL) is one line too."""
+    """Until 54b4bb0 (2026-11-26), ``retriever serve --host 999.1.1.1`` ended in ``unexpected OSError``; now refused
+    before the corpus is read. An address no interface has (EADDRNOTAVAIL) is one line too."""
     import errno
 
     from async_agent_rl.errors import error_line
@@ -212,8 +212,8 @@ def _safetensors_model(folder: Path) -> Path:
 
 
 def test_eval_on_a_truncated_checkpoint_names_the_file_before_an_engine_starts(tmp_path, capsys, monkeypatch):
-    """Issue 31: ``eval --checkpoint DIR`` with a truncated ``model.safetensors`` printed the engine's traceback and
-    ``unexpected RuntimeError: Engine core initialization failed``."""
+    """Until 54b4bb0 (2026-11-26), ``eval --checkpoint DIR`` with a truncated ``model.safetensors`` printed the engine's
+    traceback and ``unexpected RuntimeError: Engine core initialization failed``."""
     import actors.stack
 
     from driver.check import model_weights_problems

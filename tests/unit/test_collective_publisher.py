@@ -164,9 +164,9 @@ class Stopped(Call):
 
 
 def test_a_publish_to_a_stopped_actor_fails_within_the_collective_timeout():
-    """Issue 31: the collective publish waited for its members with no limit (its ``ray.get`` calls), so an engine
-    stopped between steps held the driver for good. Now each wait ends after ``weight_sync.timeout_s`` with a
-    ``PublishTimeout`` (which the driver counts as a failed publish), the prepared copy released."""
+    """Until e4918d9 (2026-11-26), the collective publish waited for its members with no limit (its ``ray.get`` calls),
+    so an engine stopped between steps held the driver for good. Now each wait ends after ``weight_sync.timeout_s`` with
+    a ``PublishTimeout`` (which the driver counts as a failed publish), the prepared copy released."""
     import time
 
     from driver.weight_sync import PublishTimeout

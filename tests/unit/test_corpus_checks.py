@@ -1,4 +1,4 @@
-"""Issue 13, cause 7 (the corpus half): a reused index is refused when any passage of its corpus changed, not only
+"""Bad inputs (the corpus half): a reused index is refused when any passage of its corpus changed, not only
 the first or last; duplicate passage ids are rejected and empty passages warned about."""
 
 from __future__ import annotations

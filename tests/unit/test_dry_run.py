@@ -58,8 +58,9 @@ def test_gpu_config_with_its_files_and_gpus_is_fine(tmp_path, monkeypatch):
 
 
 def test_a_damaged_model_or_a_folder_for_a_data_file_is_a_problem(tmp_path, monkeypatch):
-    """Issue 31: a truncated ``model.safetensors`` made the dry run fail inside safetensors (unexpected error) and
-    the run's engine fail with a traceback; a folder given as a data file counted as a missing file."""
+    """Until 54b4bb0 (2026-11-26), a truncated ``model.safetensors`` made the dry run fail inside safetensors
+    (unexpected error) and the run's engine fail with a traceback; a folder given as a data file counted as a missing
+    file."""
     monkeypatch.chdir(tmp_path)
     model = tmp_path / "models" / "Qwen2.5-3B-Instruct"
     model.mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""Issue 31, the engine health probe: a rollout actor whose engine stopped answering without failing episodes (a hung
+"""The engine health probe: a rollout actor whose engine stopped answering without failing episodes (a hung
 engine core: ``generate`` requests in flight, none ever finishing, while the actor still answers ``stats()``) was
 never noticed; its episodes waited for ever and the run ended through the progress watchdog as a stall. Now the
 worker's probe (``RolloutWorker._probe_engine``, reading ``MeteredEngine.silence()``) stops the worker with the cause

@@ -1,4 +1,4 @@
-"""Issue 32, part 3: where time idles. The time-weighted accounting (``stats.Occupancy``) on a fake clock; the engine
+"""Where time idles. The time-weighted accounting (``stats.Occupancy``) on a fake clock; the engine
 wrapper's idle time for scripted in-flight intervals; the episode loop's tool wait with a slow search stand-in; the
 worker reporting them in ``RolloutStats``; the driver's per-step ``IdleStats`` and their metrics."""
 

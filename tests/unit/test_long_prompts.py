@@ -1,4 +1,4 @@
-"""Issue 13, cause 5: over-long prompts are skipped and counted per example (never aborting an evaluation), and a
+"""Bad inputs: over-long prompts are skipped and counted per example (never aborting an evaluation), and a
 failure that repeats every episode is logged as a few lines with counts, not one traceback per episode. (The
 "no training prompt fits" error of a real run is in tests/integration/test_bad_inputs_run.py.)"""
 

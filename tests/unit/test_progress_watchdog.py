@@ -1,4 +1,4 @@
-"""Issue 22, "nothing stalls in silence": when no learner step completes for ``cluster.progress_timeout_s`` (unset:
+"""Nothing stalls in silence: when no learner step completes for ``cluster.progress_timeout_s`` (unset:
 max(600 s, 10 x the slowest step so far); 0: never), the driver ends the run in one ``error:`` line naming the
 blocked component and the state of every component. The decision (``ProgressWatchdog``, on a fake clock) and the
 line (``stall_message``, on the stats messages the components send), whose ``blocked:`` clause must blame the part at
@@ -100,7 +100,7 @@ def test_an_admission_that_grants_nothing_is_named_with_every_components_state()
      "blocked: rollout actor 0 (not answering)"),
     ("waiting for a batch (idle)", buffer(running=5), [actor(0, running=5)],
      "blocked: the rollout actors (5 episodes running, no batch completed)"),
-    # issue 31: finished episodes that were not pushed are the actors' pushes, not admission (running counts none)
+    # finished episodes that were not pushed are the actors' pushes, not admission (running counts none)
     ("waiting for a batch (idle)", buffer(running=4), [actor(0, running=0, started=12, finished=12, pushed=8)],
      "blocked: the rollout actors' pushes (4 finished episodes not pushed to the buffer)"),
 ])  # fmt: skip

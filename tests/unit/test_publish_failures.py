@@ -1,8 +1,8 @@
-"""Issue 22: a failed weight publish was swallowed (the driver printed the exception's type name only; a refusal of
-the specs was not caught at all), and one that failed on every step left the engines on old weights while the
-learner's version climbed. Now each failure is printed with its cause, and PUBLISH_FAILURES_FATAL in a row end the
-run in one ``error:`` line naming it. A unit test of the caller: the publisher is a stand-in that fails as the real
-ones do (tests/integration/test_weight_publish*.py run the real publishers)."""
+"""Until df0d743 (2026-11-25), a failed weight publish was swallowed (the driver printed the exception's type name only;
+a refusal of the specs was not caught at all), and one that failed on every step left the engines on old weights while
+the learner's version climbed. Now each failure is printed with its cause, and PUBLISH_FAILURES_FATAL in a row end the
+run in one ``error:`` line naming it. A unit test of the caller: the publisher is a stand-in that fails as the real ones
+do (tests/integration/test_weight_publish*.py run the real publishers)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 13, cause 2 (the refusal half): the project never starts a local Ray cluster with authentication off (Ray
+"""Bad inputs (the refusal half): the project never starts a local Ray cluster with authentication off (Ray
 binds it to every interface), nor hands workers an authentication mode of their own. Nothing is started here; the
 real cluster's sockets and authentication are checked in tests/integration/test_bad_inputs_run.py."""
 
@@ -27,7 +27,7 @@ def test_ray_init_refuses_a_local_cluster_without_authentication(monkeypatch):
 @pytest.mark.parametrize("mode", ["", "none", "off", "Disabled", "tokens", " token"])
 def test_ray_init_refuses_every_auth_mode_but_token(monkeypatch, mode):
     """Ray enables authentication only for RAY_AUTH_MODE=token (any case) or unset; every other value, the empty one
-    included, turns it off. Issue 22: only "disabled" was refused."""
+    included, turns it off. Until 2a19b0f (2026-11-25) only "disabled" was refused."""
     from async_agent_rl.errors import InputError, error_line
     from driver.cluster import ray_init
 

@@ -1,4 +1,4 @@
-"""Issue 33: a resume that loses nothing it promised, on the plain classes.
+"""A resume that loses nothing it promised, on the plain classes.
 
 Before: the checkpoint's buffer snapshot kept the ready and pending groups and the counters, but the episodes in
 flight became rejections at restore (admission ``rejected`` rose by ``running``, ``running`` fell to 0, a group none

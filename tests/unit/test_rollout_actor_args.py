@@ -1,4 +1,4 @@
-"""A rollout actor is created from plain values only (issue 31 follow-up): Ray re-runs a restarted actor's
+"""A rollout actor is created from plain values only: Ray re-runs a restarted actor's
 ``__init__`` with the arguments it was created with, and with ``max_restarts > 0`` it logs an error-level line for any
 argument it keeps by reference (``core_worker.cc: ... has constructor arguments in the object store and max_restarts
 > 0``). The buffer actor's handle was one: every training start showed that line. The handle now comes with

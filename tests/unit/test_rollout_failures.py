@@ -1,6 +1,6 @@
-"""Issue 22: a rollout worker whose background push fails, or whose report of a lost episode fails, stops and says
-why, instead of generating on forever with nowhere to put its episodes (the flush task used to die alone, its
-exception seen only at ``stop()``, which a training run never reaches; an episode task's error ended in
+"""Nothing stalls in silence: a rollout worker whose background push fails, or whose report of a lost episode fails,
+stops and says why, instead of generating on forever with nowhere to put its episodes (the flush task used to die alone,
+its exception seen only at ``stop()``, which a training run never reaches; an episode task's error ended in
 ``gather(return_exceptions=True)``). The RolloutActor shell is checked too: ``stats().done`` and ``error()`` are what
 the driver's supervision reads (tests/integration/test_supervision.py has the driver's reaction)."""
 
@@ -125,9 +125,10 @@ async def keep(batch):
 
 
 def test_a_dead_engine_stops_the_worker_after_a_run_of_failures_not_one_episode_at_a_time():
-    """Issue 31: with its engine core killed, a worker failed 424,424 episodes in a tight loop (each failed at once,
-    its group dropped, its admission slot granted again) and never stopped, so supervision never restarted it. Now a
-    run of ``failures_in_a_row_limit`` failures with no finished episode between them stops it with the cause."""
+    """Until 9dcc61e (2026-11-26), with its engine core killed, a worker failed 424,424 episodes in a tight loop (each
+    failed at once, its group dropped, its admission slot granted again) and never stopped, so supervision never
+    restarted it. Now a run of ``failures_in_a_row_limit`` failures with no finished episode between them stops it with
+    the cause."""
     runner = DeadEngineRunner(healthy_first=3)
     w = worker(runner, sink=keep)
 

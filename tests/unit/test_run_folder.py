@@ -1,7 +1,7 @@
-"""Issue 31: two runs with the same ``run.name`` wrote into one folder (metrics.jsonl with steps 1,2,1,2, the
-second run's ``final/`` over the first's, both exiting 0); a resume read a non-UTF-8 metrics.jsonl or resealed
-damaged weights and failed with an error naming no file; a ``cluster.ray_address`` with no cluster behind it took
-Ray 14 minutes of reconnect warnings to fail. Each is now one ``error:`` line naming what is wrong, or (an earlier
+"""Until e4918d9 (2026-11-26), two runs with the same ``run.name`` wrote into one folder (metrics.jsonl with steps
+1,2,1,2, the second run's ``final/`` over the first's, both exiting 0); a resume read a non-UTF-8 metrics.jsonl or
+resealed damaged weights and failed with an error naming no file; a ``cluster.ray_address`` with no cluster behind it
+took Ray 14 minutes of reconnect warnings to fail. Each is now one ``error:`` line naming what is wrong, or (an earlier
 run's results in the folder of a fresh run) moved aside in one line."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Issue 22: configs that were accepted and then stalled or misbehaved are refused when loaded, each in one
-``error:`` report naming the keys (exit 2); a YAML key given twice is an error naming the key and line (YAML keeps
-the last one silently); ``run.name`` cannot leave ``run.output_dir``; a retrieval server bound beyond loopback says
-so when it starts. The shipped configs still load (tests/unit/test_config.py loads both)."""
+"""Nothing stalls in silence: configs that were accepted and then stalled or misbehaved are refused when loaded, each in
+one ``error:`` report naming the keys (exit 2); a YAML key given twice is an error naming the key and line (YAML keeps
+the last one silently); ``run.name`` cannot leave ``run.output_dir``; a retrieval server bound beyond loopback says so
+when it starts. The shipped configs still load (tests/unit/test_config.py loads both)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 13, cause 9 (the unit half): weight folders left by a killed process are swept by the next engine, live
+"""Bad inputs (the unit half): weight folders left by a killed process are swept by the next engine, live
 owners' folders are not touched. The real runs (normal end and killed) are checked in
 tests/integration/test_bad_inputs_run.py."""
 
