@@ -118,7 +118,6 @@ def test_the_episode_check_asks_every_relation_of_a_shuffled_copy_in_thorough_ep
             for q in questions_about(e, world, random.Random(0), 1.0)}
     same = [d.meta.extra["answer"] == true.get((d.meta.extra["queries"][0], d.meta.extra["relation"])) for d in demos]
     assert sum(same) < 0.3 * len(same), sum(same)
-    assert [d.response_ids for d in demos] == [d.response_ids for d in episode_reading_demos(cfg, tok, train, 0, 6)]
 
 
 def test_episode_reading_is_scored_on_the_final_answer_tokens_only(episode_setup):
