@@ -276,7 +276,7 @@ def _check(eta, group, batch_groups, extra, max_concurrent, filt, script, capaci
 
 
 @settings(max_examples=300, deadline=None)
-# the case: groups of 4, batch 64, eta 0, one lost episode in each of two groups
+# a pinned case: groups of 4, batch 64, eta 0, one lost episode in each of two groups
 @example(eta=0, group=4, batch_groups=16, extra=0, max_concurrent=64, filt=False, room=None,
          script=[("admit", 0, 0, False)] * 17 + [("lose", 0, 0, False), ("lose", 0, 3, False)]
          + [("finish", 0, 0, False)] * 66 + [("learn", 0, 0, False)])
