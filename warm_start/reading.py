@@ -64,16 +64,23 @@ def reading_items(world_file: str | Path, seed: int, per_relation: int = 40, max
 
 def _encode(tokenizer: Any, item: ReadingItem) -> tuple[list[int], int]:
     """The item's tokens (context, a space, the answer) and the index of the answer's first token."""
-    text = f"{item.context} {item.answer}"
-    ((ids, offsets),) = encode_with_offsets(tokenizer, [text])
-    start, _ = token_span(offsets, len(item.context), len(text))  # the token that reaches past the context
-    return ids, max(1, start)
+    return _encode_all(tokenizer, [item])[0]
+
+
+def _encode_all(tokenizer: Any, items: Sequence[ReadingItem]) -> list[tuple[list[int], int]]:
+    """``_encode`` of every item, in one batched tokenizer call."""
+    texts = [f"{it.context} {it.answer}" for it in items]
+    out = []
+    for it, text, (ids, offsets) in zip(items, texts, encode_with_offsets(tokenizer, texts)):
+        start, _ = token_span(offsets, len(it.context), len(text))  # the token that reaches past the context
+        out.append((ids, max(1, start)))
+    return out
 
 
 def reading_scores(model: Any, tokenizer: Any, items: Sequence[ReadingItem], batch_size: int = 32) -> dict[str, float]:
     """Per relation, the share of ``items`` whose every answer token is the model's most likely next token given
     what precedes it (teacher-forced greedy reading); keys sorted, plus ``all``."""
-    encoded = [_encode(tokenizer, it) for it in items]
+    encoded = _encode_all(tokenizer, items)
     right: dict[str, list[bool]] = {}
     was_training = model.training
     model.eval()
