@@ -73,7 +73,7 @@ ROWS = {
 }
 PLAIN_ROWS = {
     "full-buffer": ["learner.checkpoint_every=0", "buffer.capacity_trajectories=16"],
-    "second-run": ["learner.checkpoint_every=0"],
+    "second-run": ["learner.checkpoint_every=0", "learner.total_steps=20"],  # busy while the second starts
 }
 
 # the command line, with one driver method wrapped: at step STEP, before the real call, SIGSTOP the process whose
@@ -185,28 +185,37 @@ def run_plain_row(name: str, work: Path, timeout_s: float) -> dict:
     first = Proc(cmd)
     second = None
     second_rc = second_s = None
+    t1 = 0.0
+    out_of_order = False
     hung = False
-    while first.proc.poll() is None:
+    while first.proc.poll() is None or (second is not None and second.proc.poll() is None):
         if name == "second-run" and second is None and any(x.startswith("step ") for x in first.lines):
             t1 = time.time()
             second = Proc(cmd)
+        if second is not None and second_rc is None and second.proc.poll() is not None:
             second_rc = second.finish()
             second_s = round(time.time() - t1, 1)
+            # the second must have ended while the first still ran: else it may have found the folder free
+            out_of_order = first.proc.poll() is not None
         if time.time() - t0 > timeout_s:
             hung = True
-            os.killpg(first.proc.pid, signal.SIGKILL)
+            for p in (first, second):
+                if p is not None and p.proc.poll() is None:
+                    os.killpg(p.proc.pid, signal.SIGKILL)
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     rc = first.finish()
     out = {"row": name, "overrides": PLAIN_ROWS[name], "rc": rc, "hung": hung, "seconds": round(time.time() - t0, 1),
            "steps": steps_done(out_dir), "traceback": any("Traceback" in x for x in first.lines + first.err),
            "error_lines": [x for x in first.lines + first.err if x.startswith("error:")],
            "fault_lines": [x for x in first.lines if x.startswith("[fault]")], "last_lines": first.lines[-8:]}
     if second is not None:
-        out["second"] = {"rc": second_rc, "seconds": second_s,
+        if second_rc is None:
+            second_rc, second_s, out_of_order = second.finish(), round(time.time() - t1, 1), True
+        out["second"] = {"ended_while_the_first_ran": not out_of_order, "rc": second_rc, "seconds": second_s,
                          "error_lines": [x for x in second.lines + second.err if x.startswith("error:")],
                          "traceback": any("Traceback" in x for x in second.lines + second.err),
-                         "lines": len(second.lines + second.err)}
+                         "lines": len(second.lines + second.err), "output": (second.lines + second.err)[-20:]}
     return out
 
 
@@ -287,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['steps']} steps done; traceback {r['traceback']}", flush=True)
                     if "second" in r:
                         print(f"    the second run: exit {r['second']['rc']} after {r['second']['seconds']} s, "
-                              f"{r['second']['lines']} lines", flush=True)
+                              f"{r['second']['lines']} lines, ended while the first ran: "
+                              f"{r['second']['ended_while_the_first_ran']}", flush=True)
                         for x in r["second"]["error_lines"]:
                             print(f"        {x}", flush=True)
                     for x in r["fault_lines"] + r["error_lines"]:
