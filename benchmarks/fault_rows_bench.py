@@ -21,7 +21,8 @@ Rows (``--rows``):
 For each: the exit status, the ``error:`` / ``[fault]`` lines, the seconds from the signal to the run's end (the
 limit that should have applied is printed beside it), any traceback, a partial checkpoint copy left, processes of
 the run still alive 15 s after it ended (the stopped one excepted: the script ends it), ``/dev/shm`` weight copies
-left. Each row is one training of about 2-4 minutes on 2 cores::
+left. Each row is one training of about 2-4 minutes on 2 cores; ``--out DIR`` writes the rows' numbers
+(``result.json``), what was printed and how it ran (``benchmarks/record.py``)::
 
     python benchmarks/fault_rows_bench.py --out benchmarks/results/fault_rows/
 """
