@@ -67,13 +67,14 @@ def template(tokens: int, seed: int) -> dict:
 class Producer:
     def __init__(self, tokens: int, seed: int):
         self.wire = template(tokens, seed)
+        self.seed = seed  # in the ids: admission refuses a group id twice, across producers too
 
     def make(self, name: str, n: int, group_size: int) -> int:
         """Encode ``n`` distinct trajectories (``n / group_size`` groups) ahead of the timed push."""
         self.blobs, self.group_size = [], group_size
         for i in range(n):
-            self.wire["meta"]["group_id"] = f"{name}-{i // group_size}"
-            self.wire["meta"]["trajectory_id"] = f"{name}-{i}"
+            self.wire["meta"]["group_id"] = f"{name}-p{self.seed}-{i // group_size}"
+            self.wire["meta"]["trajectory_id"] = f"{name}-p{self.seed}-{i}"
             self.blobs.append(msgpack.packb(self.wire, use_bin_type=True))
         return sum(len(b) for b in self.blobs)
 
@@ -135,9 +136,13 @@ def bench(args: argparse.Namespace) -> dict:
     args.push_batch -= args.push_batch % args.group_size  # admission grants whole groups
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    prompt = args.tokens // 8  # as template() cuts it; the buffer refuses a trajectory longer than these allow
     cfg = build_config(
         {
-            "rollout": {"group_size": args.group_size, "num_actors": args.producers, "max_concurrent_episodes": 10**6},
+            "model": {"max_model_len": max(args.tokens, 1024)},
+            "data": {"max_prompt_length": prompt},
+            "rollout": {"group_size": args.group_size, "num_actors": args.producers, "max_concurrent_episodes": 10**6,
+                        "max_response_length": args.tokens - prompt},
             "learner": {"batch_size": args.learner_batch, "mini_batch_size": args.learner_batch,
                         "micro_batch_size": args.learner_batch},
             "buffer": {"max_staleness": 10**6},  # every version is 0 here; admission is exercised, not binding
