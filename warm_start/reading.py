@@ -80,22 +80,29 @@ def _encode_all(tokenizer: Any, items: Sequence[ReadingItem]) -> list[tuple[list
 def reading_scores(model: Any, tokenizer: Any, items: Sequence[ReadingItem], batch_size: int = 32) -> dict[str, float]:
     """Per relation, the share of ``items`` whose every answer token is the model's most likely next token given
     what precedes it (teacher-forced greedy reading); keys sorted, plus ``all``."""
-    encoded = _encode_all(tokenizer, items)
+    rows = [(ids, list(range(start, len(ids))), it.relation)
+            for it, (ids, start) in zip(items, _encode_all(tokenizer, items))]
+    return greedy_reads(model, rows, batch_size)
+
+
+def greedy_reads(model: Any, rows: Sequence[tuple[list[int], list[int], str]], batch_size: int) -> dict[str, float]:
+    """``rows``: (token ids, the positions of the answer's tokens, relation). Per relation, the share of rows whose
+    every answer token is the model's most likely next token given the ones before it; keys sorted, plus ``all``."""
     right: dict[str, list[bool]] = {}
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for b in range(0, len(encoded), batch_size):
-                rows = encoded[b : b + batch_size]
-                width = max(len(ids) for ids, _ in rows)
-                x = torch.zeros((len(rows), width), dtype=torch.long)
-                for r, (ids, _) in enumerate(rows):
+            for b in range(0, len(rows), batch_size):
+                chunk = rows[b : b + batch_size]
+                width = max(len(ids) for ids, _, _ in chunk)
+                x = torch.zeros((len(chunk), width), dtype=torch.long)
+                for r, (ids, _, _) in enumerate(chunk):
                     x[r, : len(ids)] = torch.tensor(ids)
                 guess = model(input_ids=x).logits.argmax(-1)  # right padding: real tokens never see it
-                for r, (ids, start) in enumerate(rows):
-                    ok = bool((guess[r, start - 1 : len(ids) - 1] == x[r, start : len(ids)]).all())
-                    right.setdefault(items[b + r].relation, []).append(ok)
+                for r, (_, at, rel) in enumerate(chunk):
+                    pos = torch.tensor(at)
+                    right.setdefault(rel, []).append(bool((guess[r, pos - 1] == x[r, pos]).all()))
     finally:
         model.train(was_training)
     scores = {rel: sum(v) / len(v) for rel, v in sorted(right.items())}
@@ -158,24 +165,4 @@ def episode_reading_scores(model: Any, tokenizer: Any, demos: Sequence[Any], bat
         ids = list(d.prompt_ids) + list(d.response_ids)
         at = [len(d.prompt_ids) + k for k in value_tokens(tokenizer, d, d.turns[-1], d.meta.extra["answer"])]
         rows.append((ids, at, str(d.meta.extra.get("relation"))))
-    right: dict[str, list[bool]] = {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for b in range(0, len(rows), batch_size):
-                chunk = rows[b : b + batch_size]
-                width = max(len(ids) for ids, _, _ in chunk)
-                x = torch.zeros((len(chunk), width), dtype=torch.long)
-                for r, (ids, _, _) in enumerate(chunk):
-                    x[r, : len(ids)] = torch.tensor(ids)
-                guess = model(input_ids=x).logits.argmax(-1)  # right padding: real tokens never see it
-                for r, (_, at, rel) in enumerate(chunk):
-                    pos = torch.tensor(at)
-                    right.setdefault(rel, []).append(bool((guess[r, pos - 1] == x[r, pos]).all()))
-    finally:
-        model.train(was_training)
-    scores = {rel: sum(v) / len(v) for rel, v in sorted(right.items())}
-    scores["all"] = sum(sum(v) for v in right.values()) / max(1, sum(len(v) for v in right.values()))
-    return scores
-
+    return greedy_reads(model, rows, batch_size)
