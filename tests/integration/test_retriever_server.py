@@ -272,6 +272,30 @@ def test_bm25_ranks_by_term_frequency_and_drops_non_matches():
     assert [len(r) for r in bm25.search(["apple", "grape"], 1)] == [1, 1]
 
 
+def test_bm25_scores_with_numpy_below_the_numba_size_and_both_paths_rank_alike(passages, monkeypatch):
+    """A small corpus is scored with numpy (numba's JIT compile, ~10 s of a core in every server process, is not
+    paid for a corpus a query scores in well under a millisecond); at or above ``NUMBA_MIN_PASSAGES`` with numba.
+    Both give the same hits."""
+    import bm25s
+
+    assert BM25Backend.scoring_backend(BM25Backend.NUMBA_MIN_PASSAGES - 1) == "numpy"
+    assert BM25Backend.scoring_backend(BM25Backend.NUMBA_MIN_PASSAGES) == ("numba" if bm25s.NUMBA_AVAILABLE else "numpy")
+    small = BM25Backend.build(passages)
+    assert small._model.backend == "numpy" and len(passages) < BM25Backend.NUMBA_MIN_PASSAGES
+    if not bm25s.NUMBA_AVAILABLE:
+        return
+    monkeypatch.setattr(BM25Backend, "NUMBA_MIN_PASSAGES", 1)
+    jitted = BM25Backend.build(passages)
+    assert jitted._model.backend == "numba"
+    queries = [title_query(p) for p in passages[:20]] + ["world war", "river delta", "xylophone"]
+    got, want = jitted.search(queries, 5), small.search(queries, 5)
+    assert any(got) and [len(r) for r in got] == [len(r) for r in want]
+    for g, w in zip(got, want):  # the same scores rank by rank; ties may come in another order
+        assert [h.score for h in g] == pytest.approx([h.score for h in w])
+        scores = {h.id: h.score for h in w}
+        assert all(h.score == pytest.approx(scores[h.id]) for h in g if h.id in scores)
+
+
 def test_index_save_load_round_trip_and_corpus_mismatch(tmp_path, passages, backend):
     backend.save(tmp_path / "idx")
     loaded = BM25Backend.load(tmp_path / "idx", passages)
