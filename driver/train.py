@@ -295,8 +295,11 @@ class Trainer:
     def _lost_core_nodes(self) -> list[str]:
         """"the node ID8 at IP holding X was lost" for each lost node that held the learner or the buffer (their
         nodes as placed at the first step). When they do not all answer, Ray may have yet to declare their node
-        dead (its health checks take about 15 s): waited for, up to ``SETTLE_S``."""
-        held = self._core_nodes
+        dead (its health checks take about 15 s): waited for, up to ``SETTLE_S``. The driver's own node is never
+        lost while the driver runs, so what it holds is not asked about (on one machine: nothing is, and a stopped
+        learner's error line is not held back ``REPORT_TIMEOUT_S + SETTLE_S``)."""
+        own = ray.get_runtime_context().get_node_id()
+        held = {node: what for node, what in self._core_nodes.items() if node != own}
         if not held:
             return []
         probes = [self.buffer.stats.remote(), *(a.rank.remote() for a in self.learner.actors)]

@@ -398,6 +398,39 @@ def test_a_learner_that_stopped_during_a_checkpoint_ends_the_run_in_one_error_li
     assert not list((tmp_path / "run").glob("checkpoints/*")), "no partial checkpoint is left"
 
 
+@ray.remote(num_cpus=0)
+class StoppedRank:
+    """A learner rank stopped (SIGSTOP) once it was placed: no call is answered, not even its rank."""
+
+    def placed(self) -> bool:
+        return True
+
+    def rank(self):
+        time.sleep(120)
+
+
+def test_a_stopped_learner_on_the_drivers_own_node_is_not_waited_for_as_a_lost_node(tmp_path):
+    """Until 2026-11-28, any Ray error of the RL loop (a learner that stopped answering one) first asked whether the
+    learner's or the buffer's node was lost: a probe (``REPORT_TIMEOUT_S``), then up to ``SETTLE_S`` for Ray to
+    declare the node dead. On one machine that node is the driver's own, which cannot be lost while the driver runs:
+    the error line of a stopped learner came ~70 s late (and CI paid it in every such test). Now the driver's node is
+    not asked about, and the error goes on at once."""
+    from learner.actor import LearnerGroup, LearnerTimeout
+
+    cfg = load_config(None, ["cluster.actor_timeout_s=3", "cluster.actor_setup_timeout_s=4"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
+    trainer.buffer = IdleBuffer.remote()
+    trainer.learner = LearnerGroup([StoppedRank.remote()], 3, 4)
+    ray.get([trainer.buffer.stats.remote(), trainer.learner.actors[0].placed.remote()])  # both placed on their node
+    trainer._note_core_nodes()
+    assert set(trainer._core_nodes) == {ray.get_runtime_context().get_node_id()}, trainer._core_nodes
+    t0 = time.monotonic()
+    with pytest.raises(LearnerTimeout):
+        with trainer._core_node_loss():
+            raise LearnerTimeout("the learner (bump_version) did not answer")
+    assert time.monotonic() - t0 < 5
+
+
 class SlowToStop(SlowFirstIncarnation):
     """Its in-flight episodes take far longer to finish than stopping allows."""
 
