@@ -440,8 +440,9 @@ class SFTConfig(_Section):
         "train subjects, warm_start.reading); while a relation reads below this share, train reading_round_steps "
         "more on thorough episodes of fact-shuffled copies, half of them of the relations below it (0: no check)")
     reading_round_steps: int = Field(250, ge=1, description="reading_target: optimizer steps per round")
-    reading_max_rounds: int = Field(4, ge=1, description="reading_target: rounds at most (then the warm start "
-                                    "ends with whatever it reads, said in one line and in sft_summary.json)")
+    reading_max_rounds: int = Field(4, ge=0, description="reading_target: rounds at most (then the warm start "
+                                    "ends with whatever it reads, said in one line and in sft_summary.json); 0: the "
+                                    "check alone, to screen a warm-start recipe by what it reads without any RL")
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)

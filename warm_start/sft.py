@@ -833,8 +833,8 @@ def read_every_relation(
         below = [k for k, v in scores.items() if k != "all" and v < s.reading_target]
         rounds.append({"round": r, "scores": scores, "below": below, "steps": 0})
         last = not below or r == s.reading_max_rounds
-        then = "done" if not below else ("rounds used up" if last else
-                                         f"{s.reading_round_steps} more steps, half on {', '.join(below)}")
+        then = ("done" if not below else "the check alone (sft.reading_max_rounds=0)" if s.reading_max_rounds == 0
+                else "rounds used up" if last else f"{s.reading_round_steps} more steps, half on {', '.join(below)}")
         line = f"[sft] reads (episodes on a shuffled copy, {len(check)}): {scores_line(scores)} -> {then}"
         log.info("%s", line)
         if progress:

@@ -45,6 +45,7 @@ GOOD = [
     "retriever.url=http://127.0.0.1:8000",
     "retriever.url=https://search.example.org/retrieve",
     "learner.lr=1",  # an integer where a float is expected is fine
+    "sft.reading_max_rounds=0",  # the reading check alone, no rounds
 ]
 
 
