@@ -29,6 +29,7 @@ import ray
 from async_agent_rl.config import build_config
 from async_agent_rl.records import EpisodeMeta, Trajectory, TurnSpan
 from buffer.actor import create_buffer_actor, push_all
+from driver.cluster import local_ray
 
 if __package__:  # imported as benchmarks.buffer_bench
     from benchmarks import record
@@ -135,7 +136,7 @@ def bench(args: argparse.Namespace) -> dict:
     """The four phases; prints each, returns the printed numbers."""
     args.push_batch -= args.push_batch % args.group_size  # admission grants whole groups
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    local_ray(num_cpus=2)  # loopback only, token authentication: as a training's local cluster
     prompt = args.tokens // 8  # as template() cuts it; the buffer refuses a trajectory longer than these allow
     cfg = build_config(
         {

@@ -104,6 +104,7 @@ def bench_publish(cfg: Config, learner, publishes: int) -> dict:
     import ray
 
     from actors.engine import VLLMEngine
+    from driver.cluster import local_ray
     from driver.weight_sync import ObjectStorePublisher
 
     class EngineHost:
@@ -113,7 +114,7 @@ def bench_publish(cfg: Config, learner, publishes: int) -> dict:
         async def update_weights(self, version: int, weights):
             return await self.engine.update_weights(version, weights, mode="pause")
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    local_ray(num_cpus=2)  # loopback only, token authentication: as a training's local cluster
     try:
         host = ray.remote(num_cpus=0)(EngineHost).options(runtime_env={"env_vars": VLLM_ENV}).remote()
         ray.get(host.start.remote(cfg.model.path, cfg))

@@ -36,6 +36,7 @@ from pathlib import Path
 import ray
 
 from async_agent_rl.config import Config, TinyModelConfig, WorldConfig, build_config
+from driver.cluster import local_ray
 
 if __package__:  # imported as benchmarks.weight_sync_bench
     from benchmarks import record
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench(sizes: list[str], publishes: int) -> dict:
     """Every size in turn; prints each size's JSON line and the table, returns the results by size."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    local_ray(num_cpus=2)  # loopback only, token authentication: as a training's local cluster
     results = {}
     with tempfile.TemporaryDirectory(prefix="aar_wsync_") as tmp:
         models = build_models(Path(tmp), sizes)

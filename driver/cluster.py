@@ -257,6 +257,15 @@ def ray_init(cfg: Config) -> None:
         require_token_auth()
 
 
+def local_ray(num_cpus: int | None = None) -> None:
+    """A local Ray cluster for a benchmark or a tool, as a training starts its own (``ray_init`` with no address):
+    bound to loopback, token authentication required, the workers' output left in the session's log folder."""
+    loopback_only()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+             _node_ip_address=LOOPBACK)
+    require_token_auth()
+
+
 LOOPBACK = "127.0.0.1"
 CONNECT_TIMEOUT_S = 10.0
 

@@ -21,14 +21,16 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def local_ray(request):
     """A local Ray cluster of 2 CPUs (no dashboard) for one test module: ``pytest.mark.usefixtures("local_ray")``
-    in its ``pytestmark``. The module and tests/helpers.py go to the workers by value (they import no test module)."""
+    in its ``pytestmark``, started as a training starts its own (loopback only, token authentication). The module
+    and tests/helpers.py go to the workers by value (they import no test module)."""
     import ray
 
+    from driver.cluster import local_ray as start_local_ray
     from tests import helpers
 
     for module in (request.module, helpers):
         ray.cloudpickle.register_pickle_by_value(module)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2)
     yield
     ray.shutdown()
 

@@ -147,3 +147,12 @@ def test_every_benchmark_script_takes_out(script):
     source = (REPO / "benchmarks" / script).read_text()
     assert "record.add_out_argument(" in source and "with record.Recording(" in source, script
     assert "--out DIR" in source.split('"""')[1], f"{script}: --out is not in its docstring"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "benchmarks").glob("*_bench.py")))
+def test_every_benchmark_starts_its_local_ray_cluster_on_loopback_with_authentication(script):
+    """Until 2026-11-28 the buffer, learner and weight-sync benchmarks started Ray with a bare ``ray.init``, which
+    binds the cluster's servers to every interface; a benchmark starts its cluster as a training does
+    (``driver.cluster.local_ray`` or ``ray_init``)."""
+    source = (REPO / "benchmarks" / script).read_text()
+    assert "ray.init(" not in source, f"{script}: a bare ray.init; use driver.cluster.local_ray"
