@@ -89,8 +89,9 @@ class BM25Backend:
 
     Scoring uses bm25s's numba kernel on a corpus of ``NUMBA_MIN_PASSAGES`` or more when numba is importable (a
     256-query batch on 10k passages in 15 ms, but its JIT compile costs about 10 s of one core in every server
-    process); a smaller corpus, or no numba, takes the numpy path (a query on 532 passages in 0.14 ms, on 10k in
-    0.7 ms). Hits with score 0 (no query term in the passage) are dropped.
+    process); a smaller corpus, or no numba, takes the numpy path (a 256-query batch on 532 passages in 36 ms, but a
+    single query on 2,000 passages ~2 ms of server CPU against numba's ~0.3 ms: benchmarks/RESULTS.md, "Retriever").
+    Hits with score 0 (no query term in the passage) are dropped.
     """
 
     name = "bm25"
@@ -103,7 +104,7 @@ class BM25Backend:
         self._model = model
         self._stemmer = Stemmer.Stemmer(self.STEMMER)
 
-    NUMBA_MIN_PASSAGES = 10_000  # below, numba's compile costs more than every query of a long run saves
+    NUMBA_MIN_PASSAGES = 10_000  # below, numba's ~10 s compile is not paid at every server start
 
     @classmethod
     def scoring_backend(cls, num_passages: int) -> str:
