@@ -6,6 +6,7 @@ build is an error naming the file.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -44,3 +45,27 @@ def prepare(cfg: Config, force: bool = False) -> Iterator[str]:
         yield f"model present: {model_dir}"
     else:
         raise ConfigError(f"model.path {model_dir} has no config.json (set model.build_if_missing=true to build a tiny one)")
+    problem = engine_head_size_problem(cfg, model_dir)
+    if problem:
+        raise ConfigError(problem)
+
+
+# The attention head sizes vLLM's CPU attention backend serves (its ``get_supported_head_sizes``); another size
+# starts the engine and kills it at the first request (EngineDeadError), so it is refused before anything starts.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def engine_head_size_problem(cfg: Config, model_dir: Path) -> str | None:
+    """Why the rollout engine cannot serve the model at ``model_dir`` (vLLM on CPU: its head size), or None."""
+    if cfg.rollout.engine != "vllm" or cfg.run.device != "cpu":
+        return None
+    try:
+        mc = json.loads((model_dir / "config.json").read_text())
+        head = int(mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None  # an unreadable config is reported by whatever loads the model
+    if head in VLLM_CPU_HEAD_SIZES:
+        return None
+    built = " (model.init: hidden_size / num_attention_heads)" if cfg.model.build_if_missing else ""
+    return (f"model.path {model_dir}: attention head size {head}{built} is not one vLLM's CPU engine serves "
+            f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); choose heads so that it is, or rollout.engine=hf")
