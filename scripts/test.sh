@@ -22,4 +22,4 @@ bash scripts/install_prometheus.sh
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${AAR_VENV:-.venv}/bin/activate"
-exec python -m pytest -q -rs --durations=15 "${select[@]+"${select[@]}"}" "${args[@]+"${args[@]}"}"
+exec python -m pytest -q -rs --durations=40 "${select[@]+"${select[@]}"}" "${args[@]+"${args[@]}"}"
