@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from ray._private.runtime_env.packaging import get_excludes_from_ignore_files
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -2,7 +2,11 @@
 world and recipe; this fast check says at once when a change to the world or the recipe made it stale (the slow
 test would then train one in its own run: correct, 5-6 minutes slower)."""
 
+import pytest
+
 from tests.integration.test_train_learns import WARM_START, committed_warm_start, learn_config
+
+pytestmark = pytest.mark.unit
 
 
 def test_the_committed_warm_start_matches_the_test_world_and_recipe(tmp_path, world_dir, tiny_model_dir):
