@@ -248,21 +248,19 @@ def ray_init(cfg: Config) -> None:
             loopback_only()  # else Ray rewrites 127.0.0.1 to the host's address, where a loopback cluster is not
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
-        loopback_only()
         if cfg.run.device != "cpu":  # one machine: NCCL's bootstrap and socket transport stay on loopback too
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        # the actors' output (vLLM, DeepSpeed, Ray) stays in the session's log folder, linked from the run folder
-        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
-                 log_to_driver=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
-        require_token_auth()
+        local_ray(cfg.cluster.num_cpus, env)
 
 
-def local_ray(num_cpus: int | None = None) -> None:
-    """A local Ray cluster for a benchmark or a tool, as a training starts its own (``ray_init`` with no address):
-    bound to loopback, token authentication required, the workers' output left in the session's log folder."""
+def local_ray(num_cpus: int | None = None, env_vars: dict[str, str] | None = None) -> None:
+    """A local Ray cluster, the one a training starts (``ray_init`` with no address) and a benchmark's or a tool's:
+    bound to loopback, token authentication required, the workers' output (vLLM, DeepSpeed, Ray) left in the
+    session's log folder (a run folder links it). ``env_vars``: the workers' environment."""
     loopback_only()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-             _node_ip_address=LOOPBACK)
+    runtime_env = {"env_vars": env_vars} if env_vars is not None else None
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False,
+             logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
     require_token_auth()
 
 
