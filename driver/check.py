@@ -146,6 +146,9 @@ def _check_model(cfg: Config, report: Report) -> int | None:
         return params
     if cfg.model.build_if_missing:
         report.say("model", f"{path}: missing; the run builds a tiny one (model.build_if_missing)")
+        head = engine_head_size_problem(cfg, None)
+        if head:
+            report.problems.append(head)
     else:
         report.problems.append(f"model.path {path}: no model folder there (no config.json)")
     return None

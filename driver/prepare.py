@@ -38,16 +38,17 @@ def prepare(cfg: Config, force: bool = False) -> Iterator[str]:
 
     model_dir = Path(cfg.model.path)
     has_model = (model_dir / "config.json").is_file()
-    if (not has_model or force) and cfg.model.build_if_missing:
+    build = (not has_model or force) and cfg.model.build_if_missing
+    problem = engine_head_size_problem(cfg, None if build else model_dir)  # a model to build: judged before it is
+    if problem:
+        raise ConfigError(problem)
+    if build:
         init_tiny_model(model_dir, cfg.model.init, cfg.data.corpus_file)
         yield f"built a tiny Qwen2 model (hidden {cfg.model.init.hidden_size}, {cfg.model.init.num_hidden_layers} layers) -> {model_dir}"
     elif has_model:
         yield f"model present: {model_dir}"
     else:
         raise ConfigError(f"model.path {model_dir} has no config.json (set model.build_if_missing=true to build a tiny one)")
-    problem = engine_head_size_problem(cfg, model_dir)
-    if problem:
-        raise ConfigError(problem)
 
 
 # The attention head sizes vLLM's CPU attention backend serves (its ``get_supported_head_sizes``); another size
@@ -55,17 +56,25 @@ def prepare(cfg: Config, force: bool = False) -> Iterator[str]:
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def engine_head_size_problem(cfg: Config, model_dir: Path) -> str | None:
-    """Why the rollout engine cannot serve the model at ``model_dir`` (vLLM on CPU: its head size), or None."""
+def engine_head_size_problem(cfg: Config, model_dir: Path | None) -> str | None:
+    """Why the rollout engine cannot serve the model at ``model_dir``, or the one ``model.init`` would build when
+    ``model_dir`` is None (vLLM on CPU: its attention head size), or None."""
     if cfg.rollout.engine != "vllm" or cfg.run.device != "cpu":
         return None
-    try:
-        mc = json.loads((model_dir / "config.json").read_text())
-        head = int(mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"])
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return None  # an unreadable config is reported by whatever loads the model
+    if model_dir is None:
+        head = cfg.model.init.hidden_size // cfg.model.init.num_attention_heads
+        where, fix = f"model.init (hidden_size {cfg.model.init.hidden_size} / num_attention_heads " \
+                     f"{cfg.model.init.num_attention_heads})", "choose num_attention_heads so that it is"
+    else:
+        try:
+            mc = json.loads((model_dir / "config.json").read_text())
+            head = int(mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"])
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            return None  # an unreadable config is reported by whatever loads the model
+        where = f"model.path {model_dir}"
+        fix = ("a model built from model.init stays until removed: delete the folder (or `async-agent-rl prepare "
+               "--force`) after changing model.init" if cfg.model.build_if_missing else "serve another model")
     if head in VLLM_CPU_HEAD_SIZES:
         return None
-    built = " (model.init: hidden_size / num_attention_heads)" if cfg.model.build_if_missing else ""
-    return (f"model.path {model_dir}: attention head size {head}{built} is not one vLLM's CPU engine serves "
-            f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); choose heads so that it is, or rollout.engine=hf")
+    return (f"{where}: attention head size {head} is not one vLLM's CPU engine serves "
+            f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); {fix}, or use rollout.engine=hf")

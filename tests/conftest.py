@@ -39,9 +39,10 @@ def local_ray(request):
 def world_dir(tmp_path_factory) -> Path:
     from async_agent_rl.config import WorldConfig
     from async_agent_rl.data.world import generate_world, write_world
+    from tests.helpers import TEST_WORLD
 
     out = tmp_path_factory.mktemp("world")
-    write_world(generate_world(WorldConfig(seed=0)), out, template="minimal")
+    write_world(generate_world(WorldConfig(**TEST_WORLD)), out, template="minimal")
     return out
 
 
@@ -49,9 +50,10 @@ def world_dir(tmp_path_factory) -> Path:
 def tiny_model_dir(world_dir, tmp_path_factory) -> Path:
     from async_agent_rl.config import TinyModelConfig
     from async_agent_rl.tiny_model import init_tiny_model
+    from tests.helpers import TEST_TINY_MODEL
 
     out = tmp_path_factory.mktemp("tiny_model")
-    init_tiny_model(out, TinyModelConfig(vocab_size=2048, max_position_embeddings=1024), world_dir / "corpus.jsonl")
+    init_tiny_model(out, TinyModelConfig(**TEST_TINY_MODEL), world_dir / "corpus.jsonl")
     return out
 
 

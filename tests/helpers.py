@@ -20,6 +20,10 @@ import pytest
 # the longest trajectory the tests' replay buffers are told of (``max_trajectory_tokens``): the default config's
 # data.max_prompt_length + rollout.max_response_length; every missing member of a pending group is promised it
 LONGEST = 1024
+# the session fixtures' world and tiny model (tests/conftest.py), also the recipe of the learning test's committed
+# warm start (tests/integration/test_train_learns.py)
+TEST_WORLD = {"seed": 0}
+TEST_TINY_MODEL = {"vocab_size": 2048, "max_position_embeddings": 1024}
 DENSE_DEPS = all(importlib.util.find_spec(m) for m in ("faiss", "sentence_transformers"))  # the [dense] extra
 
 

@@ -41,14 +41,14 @@ import hashlib
 import json
 import math
 import shutil
-import sys
+import warnings
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from async_agent_rl.config import Config, load_config
-from tests.helpers import world_overrides
+from tests.helpers import TEST_TINY_MODEL, TEST_WORLD, world_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -72,7 +72,10 @@ def learn_config(output_dir: Path, world_dir: Path, model_dir: Path, *extra: str
 
 def fingerprint(cfg: Config, world_dir: Path) -> dict:
     """What the warm start depends on, machine-independent: its resolved inputs with the world's and the model's
-    folders named by role, and hashes of the world's contents (the parquet files by their rows, not their bytes)."""
+    folders named by role, the base tiny model's recipe (the session fixture's, not the config's ``model.init``),
+    and hashes of the world's contents (the parquet files by their rows, not their bytes). Changes to the code that
+    makes a model, a tokenizer or demonstrations from these are not seen: make the warm start again after them."""
+    from async_agent_rl.config import TinyModelConfig
     from warm_start.sft import warm_start_inputs
 
     text = json.dumps(warm_start_inputs(cfg, "MODEL"), sort_keys=True).replace(str(world_dir), "WORLD")
@@ -82,7 +85,9 @@ def fingerprint(cfg: Config, world_dir: Path) -> dict:
     for name in ("train.parquet", "test.parquet"):
         rows = json.dumps(pq.read_table(world_dir / name).to_pylist(), sort_keys=True, default=str)
         files[name] = hashlib.sha256(rows.encode()).hexdigest()
-    return {"inputs": json.loads(text), "world": files}
+    inputs = json.loads(text)
+    inputs["model"].pop("init")  # the config's model.init builds no model here: the base model is the fixture's
+    return {"inputs": inputs, "base_model": TinyModelConfig(**TEST_TINY_MODEL).model_dump(), "world": files}
 
 
 def committed_warm_start(cfg: Config, world_dir: Path) -> Path | None:
@@ -106,10 +111,10 @@ def test_rl_makes_the_agent_search_and_answer_more_held_out_questions(tmp_path, 
     cfg = learn_config(tmp_path, world_dir, tiny_model_dir)
     warm = committed_warm_start(cfg, world_dir)
     if warm is None:  # the world or the recipe changed: the recipe's SFT, in this run (see the module's docstring)
-        print(
-            f"{WARM_START} does not match this world and recipe: training the warm start "
+        warnings.warn(
+            f"{WARM_START} does not match this world and recipe: training the warm start in this run "
             "(python -m tests.integration.test_train_learns makes it again)",
-            file=sys.stderr,
+            stacklevel=1,
         )
         warm = tmp_path / "warm_start"
         make_warm_start(cfg, world_dir, tiny_model_dir, warm)
@@ -183,10 +188,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         world_dir, model_dir, out = Path(tmp) / "world", Path(tmp) / "model", Path(tmp) / "warm_start"
-        write_world(generate_world(WorldConfig(seed=0)), world_dir, template="minimal")
-        init_tiny_model(
-            model_dir, TinyModelConfig(vocab_size=2048, max_position_embeddings=1024), world_dir / "corpus.jsonl"
-        )
+        write_world(generate_world(WorldConfig(**TEST_WORLD)), world_dir, template="minimal")
+        init_tiny_model(model_dir, TinyModelConfig(**TEST_TINY_MODEL), world_dir / "corpus.jsonl")
         make_warm_start(learn_config(Path(tmp), world_dir, model_dir), world_dir, model_dir, out)
         shutil.rmtree(WARM_START, ignore_errors=True)
         shutil.copytree(out, WARM_START)
