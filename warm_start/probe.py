@@ -14,7 +14,9 @@ asks the model, greedily, what it would emit at the start of each model turn giv
 Each decision is scored on the expert's prefix, so a wrong earlier turn does not hide a later one. Numbers are
 shares per question kind and per relation. Beside the greedy choices, ``P(t0 searches)`` and ``P(t1 searches
 again)`` are the sampled policy's odds (temperature 1) of taking the search branch at those two turns: RL's groups
-only carry a signal where both branches get sampled. A warm start that reads well (t1 single, t2 bridge) but does not search
+only carry a signal where both branches get sampled. ``P(sampled answer = gold)`` is the same odds for the value at
+the reading turn (given the answer turn up to its ``<answer>`` tag), and ``P(a group of 4 differs)`` what it means
+for RL: the chance that a group of four sampled answers there holds a right one and a wrong one. A warm start that reads well (t1 single, t2 bridge) but does not search
 (t0) or stops after one hop (t1 bridge) is what RL should fix; one that reads badly leaves RL groups without a
 reward to find. ``async-agent-rl probe --checkpoint DIR`` prints the table and writes the per-question outputs.
 """
@@ -38,11 +40,14 @@ _STOP = re.compile(r"</search>|</answer>")
 # per kind: (column, what it counts) in print order
 COLUMNS = {
     "single": [("p_t0_search", "P(t0 searches)"), ("t0_search", "t0 searches"), ("t0_subject", "t0 query = subject"),
-               ("t1_gold", "t1 answers gold")],
+               ("t1_gold", "t1 answers gold"), ("p_gold", "P(sampled answer = gold)"),
+               ("rl_signal", "P(a group of 4 differs)")],
     "bridge": [("p_t0_search", "P(t0 searches)"), ("t0_search", "t0 searches"), ("t0_subject", "t0 query = subject"),
                ("p_t1_search", "P(t1 searches again)"), ("t1_search", "t1 searches again"), ("t1_bridge_query", "t1 query = bridge"),
-               ("t1_answers_bridge", "t1 answers the bridge"), ("t2_gold", "t2 answers gold")],
+               ("t1_answers_bridge", "t1 answers the bridge"), ("t2_gold", "t2 answers gold"),
+               ("p_gold", "P(sampled answer = gold)"), ("rl_signal", "P(a group of 4 differs)")],
 }
+GROUP = 4  # rollout.group_size of the quickstart: the rl_signal column's group
 
 
 def tag(text: str, name: str) -> str | None:
@@ -80,6 +85,25 @@ def branch_probability(model: Any, tokenizer: Any, ids: Sequence[int], take: str
         logp = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
     n = len(ids)
     return float(torch.exp(sum(logp[n - 1 + i, a[i]] for i in range(k + 1))))
+
+
+def answer_probability(model: Any, tokenizer: Any, ids: Sequence[int], answers: Sequence[str], turn: str) -> float:
+    """The probability, sampling at temperature 1, that the answer turn after ``ids`` (``turn``, an answer turn of
+    the demonstrations with its ``{answer}`` slot) answers one of ``answers`` exactly, given that it is that turn up
+    to its ``<answer>`` tag: whether the policy reads the value, apart from whether it chooses to answer."""
+    head = turn.split("{answer}")[0].rstrip()  # up to and including the <answer> tag
+    pre = tokenizer.encode(head, add_special_tokens=False)
+    total = 0.0
+    for answer in dict.fromkeys(answers):
+        full = tokenizer.encode(turn.format(answer=answer), add_special_tokens=False)
+        if full[: len(pre)] != pre:  # the tag is an added token, so the answer's text cannot merge into it
+            raise ValueError(f"{turn!r}: the tokens of its head are not a prefix of the turn's")
+        x = torch.tensor([list(ids) + full])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
+        n = len(ids) + len(pre)
+        total += float(torch.exp(sum(logp[n - 1 + i, full[len(pre) + i]] for i in range(len(full) - len(pre)))))
+    return min(total, 1.0)
 
 
 def score_question(outs: Sequence[str], extra: dict[str, Any], gold: Sequence[str]) -> dict[str, bool]:
@@ -140,6 +164,10 @@ def probe(cfg: Config, model_dir: str | Path, limit: int = 0, threads: int = 1) 
         if ex.extra["hops"] == 2:
             scores["p_t1_search"] = branch_probability(model, tokenizer, before[1], BRIDGE_TURN.format(query="x"),
                                                        ANSWER_TURN.format(answer="x"))
+        # the sampled policy's odds of answering right where it reads (t1 single-hop, t2 bridge), and so of a group
+        # of GROUP samples there holding both a right and a wrong answer: the only groups that carry a gradient
+        scores["p_gold"] = p = answer_probability(model, tokenizer, before[-1], ex.gold_answers, ANSWER_TURN)
+        scores["rl_signal"] = 1.0 - p**GROUP - (1.0 - p) ** GROUP
         kind = "single" if ex.extra["hops"] == 1 else "bridge"
         for key in (kind, f"{kind}/{ex.extra.get('relation', '?')}"):
             counts[key]["n"] += 1

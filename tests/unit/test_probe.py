@@ -46,3 +46,26 @@ def test_branch_probability_is_the_models_probability_of_the_first_token_where_t
     assert got == pytest.approx(want, rel=1e-5) and 0.0 < got < 1.0
     # the two branches' odds sum to at most 1 (they part at one token)
     assert got + branch_probability(model, tok, ids, other, take) <= 1.0 + 1e-6
+
+
+def test_answer_probability_is_the_models_probability_of_the_answer_after_the_answer_tag(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from warm_start.demos import ANSWER_TURN
+    from warm_start.probe import answer_probability
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    ids = tok.encode("Question: when? ", add_special_tokens=False)
+    head = tok.encode(ANSWER_TURN.split("{answer}")[0].rstrip(), add_special_tokens=False)
+    full = tok.encode(ANSWER_TURN.format(answer="1982"), add_special_tokens=False)
+    assert full[: len(head)] == head and len(full) > len(head) + 4  # " 1", "9", "8", "2", " </answer>" at least
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids + full])).logits[0], dim=-1)
+    n = len(ids) + len(head)
+    want = float(torch.exp(sum(logp[n - 1 + i, full[len(head) + i]] for i in range(len(full) - len(head)))))
+    got = answer_probability(model, tok, ids, ["1982"], ANSWER_TURN)
+    assert got == pytest.approx(want, rel=1e-5) and 0.0 < got < 1.0
+    # two different gold strings add up; the same one twice counts once
+    other = answer_probability(model, tok, ids, ["1873"], ANSWER_TURN)
+    assert answer_probability(model, tok, ids, ["1982", "1873", "1982"], ANSWER_TURN) == pytest.approx(got + other)
