@@ -25,8 +25,6 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from transformers import AutoTokenizer
-
 from async_agent_rl.config import TinyModelConfig
 from async_agent_rl.prompts import MINIMAL_TEMPLATE, SEARCH_R1_TEMPLATE, TAGS
 
@@ -124,6 +122,8 @@ def init_tiny_model(
     if tokenizer is None:
         tokenizer = train_tokenizer(cfg, corpus_file, extra_texts)
     elif isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     model = build_model(cfg, tokenizer)
     model.save_pretrained(out, safe_serialization=True)

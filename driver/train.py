@@ -37,10 +37,8 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 import ray  # also sets up the "ray" logger and its console handler, which _logs_to_file redirects
-import transformers
 import yaml
 from ray.exceptions import GetTimeoutError
-from transformers import AutoTokenizer
 
 from actors.rollout_actor import create_evaluator, create_rollout_actors
 from async_agent_rl.config import Config, load_config
@@ -158,7 +156,7 @@ def _logs_to_file(path: Path) -> Iterator[None]:
     root.addHandler(handler)
     ray_logger.addHandler(ray_handler)
     root.setLevel(min(level, logging.INFO) if level else logging.INFO)
-    transformers.utils.logging.disable_progress_bar()
+    _progress_bars(False)
     try:
         yield
     finally:
@@ -169,7 +167,20 @@ def _logs_to_file(path: Path) -> Iterator[None]:
         root.setLevel(level)
         for h, old, _ in quieted:
             h.setLevel(old)
-        transformers.utils.logging.enable_progress_bar()
+        _progress_bars(True)
+
+
+def _progress_bars(on: bool) -> None:
+    """Turn the progress bars of Hugging Face's libraries on or off, without importing transformers (seconds of a
+    run's start): it reads the hub's setting when it is imported, and its own switch is set if it was."""
+    import sys
+
+    from huggingface_hub import utils as hub
+
+    (hub.enable_progress_bars if on else hub.disable_progress_bars)()
+    loaded = sys.modules.get("transformers.utils.logging")
+    if loaded is not None:
+        (loaded.enable_progress_bar if on else loaded.disable_progress_bar)()
 
 
 class Trainer:
@@ -391,6 +402,9 @@ class Trainer:
         stack.enter_context(reaper())  # first in, last out: if this process is killed, nothing of the run outlives it
         # (read before ray.init, which sets RAY_ADDRESS for this process' children)
         local_cluster = not (cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS"))
+        # the policy's pad id, for the buffer: its tokenizer (and transformers, seconds to import) loads while Ray
+        # starts, which mostly waits for the cluster's processes
+        pad_id = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="pad-id")).submit(self._pad_id)
         ray_init(cfg)
         stack.callback(_shutdown_ray)
         if local_cluster:
@@ -418,7 +432,7 @@ class Trainer:
                 log.warning(exposed)
                 self.log.say(f"[warn] {exposed}")
             self.mon = self._start_monitoring(stack)
-            self.pad_id = self._pad_id()
+            self.pad_id = pad_id.result()
             self.buffer = create_buffer_actor(cfg, pad_id=self.pad_id)
             self.versions = PolicyVersions(cfg, None, None, self.log.say)
             actor_model = self.policy_path
@@ -513,6 +527,8 @@ class Trainer:
                          buffer=ray.get(self.buffer.stats.remote(), timeout=REPORT_TIMEOUT_S))
 
     def _pad_id(self) -> int:
+        from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(self.policy_path)
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 

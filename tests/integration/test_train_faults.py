@@ -143,8 +143,13 @@ def _train_cmd(*args: str) -> list[str]:
 
 
 def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir, tiny_model_dir):
-    """The driver and its local Ray are killed after the step-2 checkpoint; the newest checkpoint's policy is then
-    damaged (truncated), so the resume says it skipped it and continues from step 1, redoing steps 2-4."""
+    """The driver is killed with SIGKILL after the step-2 checkpoint (the OOM killer, a lost machine session: no
+    chance to shut down). Its reaper ends every process of the run (Ray's GCS, raylet, agents, workers, the
+    retriever) and removes their /dev/shm files; before it, Ray's agents and joblib's semaphores were left for good.
+    The newest checkpoint's policy is then damaged (truncated), so the resume says it skipped it and continues from
+    step 1, redoing steps 2-4. (One run for both: each is a training start, a minute of CI.)"""
+    import psutil
+
     cfg = small_config(tmp_path, world_dir, tiny_model_dir, "learner.total_steps=4", "learner.checkpoint_every=1")
     cfg_file = cfg.save(tmp_path / "cfg.yaml")
     run_dir = tmp_path / "run"
@@ -162,9 +167,35 @@ def test_resume_after_driver_crash_continues_from_checkpoint(tmp_path, world_dir
             assert time.monotonic() < deadline, "no checkpoint within the deadline"
             pids |= _tree(proc.pid)
             time.sleep(0.5)
+        procs = {p.pid: p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "driver.reaper" not in " ".join(p.cmdline())}  # fmt: skip
+        assert any("raylet" in p.name() for p in procs.values()), [p.name() for p in procs.values()]
+        proc.send_signal(signal.SIGKILL)  # the driver alone: its reaper ends the rest
+        proc.wait(10)
+
+        def alive(p: psutil.Process) -> bool:
+            try:
+                return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+
+        def files() -> list[Path]:
+            return [f for pid in procs for f in Path("/dev/shm").glob(f"sem.loky-{pid}-*")] + \
+                leaked_weight_dirs(shm_before, set(procs))
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (any(alive(p) for p in procs.values()) or files()):
+            time.sleep(0.5)
+        left = [f"{p.pid} {p.name()}" for p in procs.values() if alive(p)]
+        left_files = files()
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started: a crash
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the reaper left (the assertions below name it)
+        except ProcessLookupError:
+            pass
         proc.wait(30)
+    assert not left, f"left 20 s after the driver was killed: {left}"
+    assert not left_files, f"/dev/shm files of the run left 20 s after the driver was killed: {left_files}"
     before = read_jsonl(run_dir / "metrics.jsonl")
     assert 2 <= len(before) < 4
     ckpts = run_dir / "checkpoints"
