@@ -359,9 +359,25 @@ class LearnerConfig(_Section):
         False, description="keep the token embeddings (and an output head tied to them) fixed: RL then changes how "
         "the model reads and copies, not the tokens themselves (a small model whose embeddings train on a few "
         "rewarded answers learns to emit them from memory instead of copying them from the observation)")
+    frozen_parameters: list[str] = Field(
+        default_factory=list, description="regular expressions (searched in the policy's parameter names, e.g. "
+        "`model.layers.0.self_attn.q_proj.weight`); every parameter one of them finds is kept fixed in RL, e.g. "
+        "[self_attn] keeps every attention projection, where a small model's copying of an observation's value "
+        "lives, so RL's updates reach only the MLPs, norms and embeddings; a pattern that finds no parameter, or "
+        "patterns that find all of them, are an error")
     critic_lr: float = Field(1e-5, gt=0)
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0 = only at the end)")
     seed: int = 0
+
+    @field_validator("frozen_parameters")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
+        return v
 
     @model_validator(mode="after")
     def _batches(self) -> "LearnerConfig":

@@ -54,12 +54,13 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -77,6 +78,7 @@ from async_agent_rl.algorithms import (
 )
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config, LearnerConfig, is_loopback
+from async_agent_rl.errors import InputError
 from async_agent_rl.lr_schedule import lr_factor
 from async_agent_rl.net import free_port
 from async_agent_rl.staleness import staleness
@@ -285,6 +287,26 @@ class _Metrics:
         return {k: self._sum[k] / self._weight[k] if self._weight[k] else 0.0 for k in self._sum}
 
 
+
+def freeze_parameters(model: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Keep fixed every parameter of ``model`` whose name one of ``patterns`` (regular expressions, ``re.search``)
+    finds (``learner.frozen_parameters``); returns their names. ``InputError`` for a pattern that finds none (a typo
+    would otherwise freeze nothing, silently) or patterns that leave nothing to train."""
+    named = list(model.named_parameters())
+    for pattern in patterns:
+        if not any(re.search(pattern, name) for name, _ in named):
+            raise InputError(f"learner.frozen_parameters: {pattern!r} finds no parameter of the policy (its names "
+                             f"are like {named[0][0]!r} and {named[-1][0]!r})")
+    frozen = [name for name, _ in named if any(re.search(pattern, name) for pattern in patterns)]
+    if frozen and len(frozen) == len(named):
+        raise InputError(f"learner.frozen_parameters: {list(patterns)} find every parameter of the policy: "
+                         "nothing would train")
+    for name, param in named:
+        if name in frozen:
+            param.requires_grad_(False)
+    return frozen
+
+
 class Learner:
     """One learner rank. Construct on every rank with the same ``Config``; call ``train_step`` on every rank with
     the same batch (``learner.batch_size`` rows).
@@ -321,6 +343,7 @@ class Learner:
         policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         if lc.freeze_embeddings:  # a tied output head is the same tensor: it stays fixed too
             policy.get_input_embeddings().requires_grad_(False)
+        freeze_parameters(policy, lc.frozen_parameters)
         self.policy = self._engine(policy, lc.lr)
         self.device = self.policy.engine.device
         self.reference = None

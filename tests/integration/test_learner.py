@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -178,6 +179,28 @@ def test_mask_observations_switch_decides_whether_the_loss_trains_on_observation
                         - sequence_logprob(hf_model, before, batch, 0, obs))
         assert metrics[0].loss_tokens == 5 + (0 if masked else len(obs))
     assert rise[False] > 1.0 and abs(rise[True]) < 0.25 * rise[False], rise
+
+
+def test_frozen_parameters_stay_fixed_and_the_others_train(tiny_model_dir, hf_model):
+    """``learner.frozen_parameters=[self_attn]``: three steps move the MLPs and leave every attention projection
+    bit for bit as it was (what is published is what the engine gets); a pattern that finds no parameter, or
+    patterns that find them all, are one input error at the learner's start, not a run that trains nothing."""
+    from async_agent_rl.errors import InputError
+
+    learner = make_learner(tiny_model_dir, learner={"frozen_parameters": ["self_attn"]})
+    before = learner.state_dict_for_publish()
+    for _ in range(3):
+        learner.train_step(two_groups(hf_model))
+    after = learner.state_dict_for_publish()
+    attention = [k for k in before if "self_attn" in k]
+    mlp = [k for k in before if ".mlp." in k]
+    assert attention and mlp
+    assert all(np.array_equal(before[k], after[k]) for k in attention)
+    assert all(not np.array_equal(before[k], after[k]) for k in mlp)
+    with pytest.raises(InputError, match=r"learner.frozen_parameters: 'self_atn' finds no parameter"):
+        make_learner(tiny_model_dir, learner={"frozen_parameters": ["self_atn"]})
+    with pytest.raises(InputError, match=r"find every parameter of the policy: nothing would train"):
+        make_learner(tiny_model_dir, learner={"frozen_parameters": ["."]})
 
 
 def test_gae_critic_learns_and_plain_ppo_skips_the_proximal_pass(tiny_model_dir, hf_model):

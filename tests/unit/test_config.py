@@ -133,3 +133,10 @@ def test_on_policy_needs_a_publish_every_step():
     with pytest.raises(ConfigError, match="buffer.max_staleness=0 with weight_sync.every_steps=2"):
         load_config(None, ["buffer.max_staleness=0", "weight_sync.every_steps=2"])
     load_config(None, ["buffer.max_staleness=1", "weight_sync.every_steps=2"])
+
+
+def test_frozen_parameters_must_be_regular_expressions():
+    assert load_config(None, ["learner.frozen_parameters=[self_attn, mlp.down_proj]"]).learner.frozen_parameters == [
+        "self_attn", "mlp.down_proj"]
+    with pytest.raises(ConfigError, match=r"learner.frozen_parameters: .*'self_attn\(' is not a regular expression"):
+        load_config(None, ['learner.frozen_parameters=["self_attn("]'])
