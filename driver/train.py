@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -173,8 +174,6 @@ def _logs_to_file(path: Path) -> Iterator[None]:
 def _progress_bars(on: bool) -> None:
     """Turn the progress bars of Hugging Face's libraries on or off, without importing transformers (seconds of a
     run's start): it reads the hub's setting when it is imported, and its own switch is set if it was."""
-    import sys
-
     from huggingface_hub import utils as hub
 
     (hub.enable_progress_bars if on else hub.disable_progress_bars)()
