@@ -92,14 +92,18 @@ def relation_numbers(run_dir: Path, evals: Sequence[dict[str, Any]]) -> dict[str
     """Held-out exact match by the question's relation (``extra_info.relation`` of the run's test files: birth_year,
     employer_hq, ...) at the start and the end of an RL run, from the ids its evaluations got right: which kinds of
     value a warm start reads and which it does not (a per-kind EM hides a relation read at 0). Empty when the run's
-    config or test files are gone, or an evaluation covered only part of the questions."""
+    config or test files cannot be read (said in one line on stderr: a study's process older than a config key its
+    later arms saved once dropped their rows unsaid), or an evaluation covered only part of the questions."""
     from async_agent_rl.data.search_r1 import read_qa_parquet
 
     when = {e["when"]: e for e in evals}
     try:
         cfg = load_config(run_dir / "config.yaml", [])
         questions = [q for f in cfg.data.test_files for q in read_qa_parquet(f)]
-    except Exception:  # noqa: BLE001 - a report of older or moved runs goes on without this table
+    except Exception as e:  # noqa: BLE001 - a report of older or moved runs goes on without this table
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        print(f"[report] {run_dir}: no by-relation numbers, its config or test files do not load ({first.strip()})",
+              file=sys.stderr)
         return {}
     if not all("correct" in when.get(w, {}).get("all", {}) and when[w]["all"]["n"] == len(questions)
                for w in ("start", "end")):
