@@ -287,24 +287,25 @@ class _Metrics:
         return {k: self._sum[k] / self._weight[k] if self._weight[k] else 0.0 for k in self._sum}
 
 
-
 def freeze_parameters(model: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
     """Keep fixed every parameter of ``model`` whose name one of ``patterns`` (regular expressions, ``re.search``)
     finds (``learner.frozen_parameters``); returns their names. ``InputError`` for a pattern that finds none (a typo
-    would otherwise freeze nothing, silently) or patterns that leave nothing to train."""
+    would otherwise freeze nothing, silently) or patterns that leave nothing to train (parameters fixed before, such
+    as ``learner.freeze_embeddings``' rows, counted as fixed)."""
     named = list(model.named_parameters())
-    for pattern in patterns:
-        if not any(re.search(pattern, name) for name, _ in named):
+    found = {pattern: [name for name, _ in named if re.search(pattern, name)] for pattern in patterns}
+    for pattern, names in found.items():
+        if not names:
             raise InputError(f"learner.frozen_parameters: {pattern!r} finds no parameter of the policy (its names "
                              f"are like {named[0][0]!r} and {named[-1][0]!r})")
-    frozen = [name for name, _ in named if any(re.search(pattern, name) for pattern in patterns)]
-    if frozen and len(frozen) == len(named):
+    frozen = {name for names in found.values() for name in names}
+    if frozen and not any(param.requires_grad for name, param in named if name not in frozen):
         raise InputError(f"learner.frozen_parameters: {list(patterns)} find every parameter of the policy: "
                          "nothing would train")
     for name, param in named:
         if name in frozen:
             param.requires_grad_(False)
-    return frozen
+    return [name for name, _ in named if name in frozen]
 
 
 class Learner:

@@ -101,8 +101,8 @@ def relation_numbers(run_dir: Path, evals: Sequence[dict[str, Any]]) -> dict[str
         cfg = load_config(run_dir / "config.yaml", [])
         questions = [q for f in cfg.data.test_files for q in read_qa_parquet(f)]
     except Exception as e:  # noqa: BLE001 - a report of older or moved runs goes on without this table
-        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        print(f"[report] {run_dir}: no by-relation numbers, its config or test files do not load ({first.strip()})",
+        why = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        print(f"[report] {run_dir}: no by-relation numbers, its config or test files do not load ({why})",
               file=sys.stderr)
         return {}
     if not all("correct" in when.get(w, {}).get("all", {}) and when[w]["all"]["n"] == len(questions)

@@ -201,6 +201,9 @@ def test_frozen_parameters_stay_fixed_and_the_others_train(tiny_model_dir, hf_mo
         make_learner(tiny_model_dir, learner={"frozen_parameters": ["self_atn"]})
     with pytest.raises(InputError, match=r"find every parameter of the policy: nothing would train"):
         make_learner(tiny_model_dir, learner={"frozen_parameters": ["."]})
+    # the rest, with the embeddings fixed by learner.freeze_embeddings: nothing would train either
+    with pytest.raises(InputError, match=r"find every parameter of the policy: nothing would train"):
+        make_learner(tiny_model_dir, learner={"freeze_embeddings": True, "frozen_parameters": [r"^model\.(layers|norm)"]})
 
 
 def test_gae_critic_learns_and_plain_ppo_skips_the_proximal_pass(tiny_model_dir, hf_model):
