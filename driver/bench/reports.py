@@ -12,18 +12,18 @@ from typing import Any, Sequence
 
 from driver.bench.arms import ArmRun
 from driver.bench.plots import plot_staleness, plot_study
-from driver.bench.results import COLUMNS, time_to_em
+from driver.bench.results import COLUMNS, TIME_COLUMNS, TIME_NOTE, time_to_em
 
 
-def table(runs: Sequence[ArmRun]) -> str:
-    head = ["study", "arm", "overrides", *(c[0] for c in COLUMNS)]
+def table(runs: Sequence[ArmRun], columns: Sequence[tuple[str, str, str]] = COLUMNS) -> str:
+    head = ["study", "arm", "overrides", *(c[0] for c in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         cells = [r.arm.study, r.arm.label, "`" + " ".join(r.arm.overrides) + "`"]
         if r.error:
-            cells += [f"failed: {r.error}"] + [""] * (len(COLUMNS) - 1)
+            cells += [f"failed: {r.error}"] + [""] * (len(columns) - 1)
         else:
-            cells += [fmt.format(r.result[key]) for _, key, fmt in COLUMNS]
+            cells += [fmt.format(r.result.get(key, float("nan"))) for _, key, fmt in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -51,7 +51,7 @@ def write_report(kind: str, runs: Sequence[ArmRun], out: Path, command: str, ext
              f"match is greedy, on `eval.num_questions` test questions whose subjects never appear in training.", ""]
     if extra:
         lines += [extra, ""]
-    lines += [table(runs), ""]
+    lines += [table(runs), "", TIME_NOTE, "", table(runs, TIME_COLUMNS), ""]
     studies = [s for s in dict.fromkeys(r.arm.study for r in runs) if s != "baseline"]
     baseline = [r for r in runs if r.arm.study == "baseline"]  # ablations: drawn in every study's plot
     for study in studies:

@@ -56,12 +56,47 @@ def arm_result(run_dir: Path) -> dict[str, Any]:
         "gen_tokens_per_s": metrics[-1]["gen_tokens_per_s"],
         "staleness_mean": mean_of(m["learner"].get("staleness_mean", 0.0) for m in metrics),
         "evicted": metrics[-1].get("buffer_evicted", {}),
+        **time_split(metrics, train_s),
         "episodes": summary.get("episodes", 0),
         "eval_curve": curve,
         "steps_curve": [{"step": m["step"], "reward": m["batch_reward"],
                          "response_length": m.get("batch", {}).get("response_length"),
                          "searches": m.get("batch", {}).get("searches")} for m in metrics],
     }
+
+
+def time_split(metrics: Sequence[dict[str, Any]], train_s: float) -> dict[str, float]:
+    """Where an arm's training seconds went, summed over its steps from ``metrics.jsonl`` (the driver does these one
+    after the other in a step): ``learner_s`` the learner's compute (``learner.step_time_s``), ``batch_wait_s`` its
+    wait for the step's batch (``sample_wait_s``), ``publish_s`` the weight publishes (``publish.publish_latency_s``),
+    ``other_s`` the rest of ``train_s`` (supervising the fleet, stats, records, checkpoints). Over the steps' means:
+    ``engine_idle_share`` (the rollout engines with no request in flight) and ``tool_wait_share`` (the share of the
+    episodes' time spent awaiting the search tool). NaN where the metrics predate a key."""
+    def total(get: Any) -> float:
+        xs = [get(m) for m in metrics]
+        return float("nan") if any(x is None for x in xs) else float(sum(xs))
+
+    learner = total(lambda m: m.get("learner", {}).get("step_time_s"))
+    wait = total(lambda m: m.get("sample_wait_s"))
+    publish = sum(m.get("publish", {}).get("publish_latency_s", 0.0) for m in metrics)  # not every step publishes
+    return {
+        "learner_s": learner, "batch_wait_s": wait, "publish_s": publish,
+        "other_s": train_s - learner - wait - publish,
+        "engine_idle_share": mean_of(m["rollout_engine_idle_share"] for m in metrics
+                                     if m.get("rollout_engine_idle_share") is not None),
+        "tool_wait_share": mean_of(m["rollout_tool_wait_share"] for m in metrics
+                                   if m.get("rollout_tool_wait_share") is not None),
+    }
+
+
+TIME_COLUMNS = [("train s", "train_s", "{:.0f}"), ("learner compute s", "learner_s", "{:.0f}"),
+                ("waiting for a batch s", "batch_wait_s", "{:.0f}"), ("weight publish s", "publish_s", "{:.0f}"),
+                ("other s", "other_s", "{:.0f}"), ("engines idle (share)", "engine_idle_share", "{:.2f}"),
+                ("episodes awaiting the tool (share)", "tool_wait_share", "{:.2f}")]
+TIME_NOTE = ("Where the training time goes (evaluations excluded), summed over the steps from `metrics.jsonl`: the "
+             "learner's compute, its wait for each batch, the weight publishes, and the rest (supervision, stats, "
+             "checkpoints); the shares are means over the steps: the rollout engines' time with no request in flight, "
+             "and the episodes' time spent awaiting the search tool.")
 
 
 def time_to_em(result: dict[str, Any], target: float) -> float | None:

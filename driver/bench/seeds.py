@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from driver.bench.arms import Arm, ArmRun, seed_overrides
 from driver.bench.plots import plot_seeds
-from driver.bench.results import mean_of, mean_se, pm, time_to_em
+from driver.bench.results import TIME_COLUMNS, TIME_NOTE, mean_of, mean_se, pm, time_to_em
 from driver.bench.runner import run_arms
 from driver.plots import read_jsonl
 
@@ -115,7 +115,7 @@ def summarize(rows: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
     out = {}
     for arm, rs in rows.items():
         s: dict[str, Any] = {key: mean_se([r[key] for r in rs if r.get(key) is not None])
-                             for _, key, _ in SEED_COLUMNS}
+                             for _, key, _ in SEED_COLUMNS + TIME_COLUMNS}
         s["reached"] = f"{sum(r['time_to_acc_s'] is not None for r in rs)}/{len(rs)}"
         hist: Counter = Counter()
         for r in rs:
@@ -144,6 +144,18 @@ def seeds_table(arms: Sequence[Arm], summary: dict[str, dict[str, Any]]) -> str:
         cells += ["n/a" if not s[key]["n"] else pm(s[key], fmt) for _, key, fmt in SEED_COLUMNS]
         cells += [s["reached"], str(s["staleness_max"]), str(s["evicted_stale"])]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def time_table(arms: Sequence[Arm], summary: dict[str, dict[str, Any]]) -> str:
+    """``TIME_COLUMNS`` per arm, mean ± s.e. over seeds."""
+    head = ["arm", *(c[0] for c in TIME_COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm in arms:
+        s = summary.get(arm.name)
+        if s is not None:
+            lines.append("| " + " | ".join([arm.label] + ["n/a" if not s[key]["n"] else pm(s[key], fmt)
+                                                          for _, key, fmt in TIME_COLUMNS]) + " |")
     return "\n".join(lines)
 
 
@@ -208,7 +220,8 @@ def write_seeds_report(kind: str, arms: Sequence[Arm], runs: dict[int, list[ArmR
         lines += [text, ""]
     if kind == "staleness":
         lines += [staleness_recommendation(arms, summary), ""]
-    lines += [seeds_table(arms, summary), "", "Realized staleness of consumed trajectories (all seeds):", ""]
+    lines += [seeds_table(arms, summary), "", TIME_NOTE, "", time_table(arms, summary), "",
+              "Realized staleness of consumed trajectories (all seeds):", ""]
     for arm in arms:
         if arm.name in summary:
             s = summary[arm.name]

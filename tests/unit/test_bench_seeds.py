@@ -96,3 +96,44 @@ def test_a_study_whose_arms_are_finished_does_not_redo_its_warm_start(tmp_path, 
     monkeypatch.setattr(runner, "finished_with", lambda run_dir, cfg: run_dir.name == arms[0].name)
     runner.run_arms("configs/quickstart.yaml", overrides, arms, tmp_path / "sync", 2, 1, say=lambda _: None)
     assert calls == ["sft", "train"]  # the second arm is trained: its warm start is made first
+
+
+def step(learner_s: float, wait_s: float | None, publish_s: float | None, idle: float | None, tool: float | None) -> dict:
+    """One metrics.jsonl record, as the driver writes it, with only what ``time_split`` reads."""
+    m: dict = {"learner": {"step_time_s": learner_s}, "sample_wait_s": wait_s, "rollout_engine_idle_share": idle,
+               "rollout_tool_wait_share": tool}
+    if publish_s is not None:
+        m["publish"] = {"publish_latency_s": publish_s}
+    return m
+
+
+def test_time_split_sums_the_steps_parts_and_leaves_the_rest_as_other():
+    from driver.bench.results import time_split
+
+    metrics = [step(2.0, 1.0, 0.2, 0.1, 0.5), step(3.0, 0.5, None, 0.3, None), step(4.0, 0.0, 0.3, None, 0.7)]
+    t = time_split(metrics, train_s=12.0)
+    assert (t["learner_s"], t["batch_wait_s"], t["publish_s"]) == pytest.approx((9.0, 1.5, 0.5))
+    assert t["other_s"] == pytest.approx(1.0)
+    # shares: means over the steps that have one (the first step's tool share may be missing: no episode finished)
+    assert t["engine_idle_share"] == pytest.approx(0.2) and t["tool_wait_share"] == pytest.approx(0.6)
+    old = time_split([{"learner": {"step_time_s": 1.0}}], train_s=3.0)  # metrics from before the idle stats
+    assert old["batch_wait_s"] != old["batch_wait_s"] and old["other_s"] != old["other_s"]  # NaN, not a made-up 0
+
+
+def test_the_seeds_report_says_where_each_arms_time_went(tmp_path):
+    a, s = Arm("sync", "async", "async", ()), Arm("sync", "sync", "sync", ())
+    runs = {}
+    for seed, (wait_a, wait_s) in enumerate([(1.0, 30.0), (3.0, 50.0)]):
+        ra = finished(tmp_path, a, seed, [(0, 0.0), (100, 0.5)], 2.0)
+        rs = finished(tmp_path, s, seed, [(0, 0.0), (200, 0.5)], 1.0)
+        ra.result.update(learner_s=60.0, batch_wait_s=wait_a, publish_s=5.0, other_s=34.0 - wait_a,
+                         engine_idle_share=0.05, tool_wait_share=0.4)
+        rs.result.update(learner_s=50.0, batch_wait_s=wait_s, publish_s=5.0, other_s=145.0 - wait_s,
+                         engine_idle_share=0.6, tool_wait_share=0.5)
+        runs[seed] = [ra, rs]
+    md = write_seeds_report("sync", [a, s], runs, tmp_path, "cmd", lambda arm: True).read_text()
+    assert "Where the training time goes" in md
+    row = next(x for x in md.splitlines() if x.startswith("| sync |") and "±" in x and "0.60" in x)
+    assert "| 40 ± 10 |" in row  # the sync arm's wait for its batches, mean ± s.e. over the two seeds
+    summary = json.loads((tmp_path / "report.json").read_text())["summary"]
+    assert summary["async"]["batch_wait_s"]["mean"] == pytest.approx(2.0)
