@@ -137,3 +137,25 @@ def test_the_seeds_report_says_where_each_arms_time_went(tmp_path):
     assert "| 40 ± 10 |" in row  # the sync arm's wait for its batches, mean ± s.e. over the two seeds
     summary = json.loads((tmp_path / "report.json").read_text())["summary"]
     assert summary["async"]["batch_wait_s"]["mean"] == pytest.approx(2.0)
+
+
+def test_the_one_world_report_has_the_time_split_of_each_arm(tmp_path):
+    """``bench`` without ``--seeds``: the time table beside the main one, an arm's own numbers (NaN where its
+    metrics predate a key, never a made-up 0)."""
+    from driver.bench.reports import write_report
+    from driver.bench.results import COLUMNS
+
+    runs = []
+    for name, wait in (("async", 12.0), ("sync", None)):
+        result = {key: 1.0 for _, key, _ in COLUMNS} | {
+            "eval_curve": [{"step": 0, "exact_match": 0.0}, {"step": 2, "exact_match": 0.5}],
+            "steps_curve": [{"step": 1, "reward": 0.5, "response_length": 40, "searches": 1.0}],
+            "train_s": 100.0, "learner_s": 70.0, "publish_s": 3.0, "engine_idle_share": 0.25,
+            "tool_wait_share": 0.5}
+        if wait is not None:
+            result |= {"batch_wait_s": wait, "other_s": 15.0}
+        runs.append(ArmRun(Arm("sync", name, name, ()), tmp_path / name, [], result=result))
+    md = write_report("sync", runs, tmp_path, "cmd").read_text()
+    rows = [x for x in md.splitlines() if x.startswith("| sync | async |")]
+    assert len(rows) == 2 and "| 100 | 70 | 12 | 3 | 15 | 0.25 | 0.50 |" in rows[1]
+    assert "| nan | 3 | nan |" in [x for x in md.splitlines() if x.startswith("| sync | sync |")][1]
