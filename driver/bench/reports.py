@@ -23,7 +23,7 @@ def table(runs: Sequence[ArmRun], columns: Sequence[tuple[str, str, str]] = COLU
         if r.error:
             cells += [f"failed: {r.error}"] + [""] * (len(columns) - 1)
         else:
-            cells += [fmt.format(r.result.get(key, float("nan"))) for _, key, fmt in columns]
+            cells += [fmt.format(r.result[key]) for _, key, fmt in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -132,8 +132,12 @@ def summarize(rows: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def seeds_table(arms: Sequence[Arm], summary: dict[str, dict[str, Any]]) -> str:
-    head = ["arm", "seeds", *(c[0] for c in SEED_COLUMNS), "reached target", "max staleness", "stale evicted"]
+def seeds_table(arms: Sequence[Arm], summary: dict[str, dict[str, Any]],
+                columns: Sequence[tuple[str, str, str]] = SEED_COLUMNS, counts: bool = True) -> str:
+    """``columns`` per arm, mean ± s.e. over seeds; ``counts``: then the arm's reached target, max staleness and
+    stale evictions."""
+    tail = ["reached target", "max staleness", "stale evicted"] if counts else []
+    head = ["arm", "seeds", *(c[0] for c in columns), *tail]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in arms:
         s = summary.get(arm.name)
@@ -141,21 +145,10 @@ def seeds_table(arms: Sequence[Arm], summary: dict[str, dict[str, Any]]) -> str:
             lines.append(f"| {arm.label} | 0 |" + " |" * (len(head) - 2))
             continue
         cells = [arm.label, str(len(s["seeds"]))]
-        cells += ["n/a" if not s[key]["n"] else pm(s[key], fmt) for _, key, fmt in SEED_COLUMNS]
-        cells += [s["reached"], str(s["staleness_max"]), str(s["evicted_stale"])]
+        cells += ["n/a" if not s[key]["n"] else pm(s[key], fmt) for _, key, fmt in columns]
+        if counts:
+            cells += [s["reached"], str(s["staleness_max"]), str(s["evicted_stale"])]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def time_table(arms: Sequence[Arm], summary: dict[str, dict[str, Any]]) -> str:
-    """``TIME_COLUMNS`` per arm, mean ± s.e. over seeds."""
-    head = ["arm", *(c[0] for c in TIME_COLUMNS)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arm in arms:
-        s = summary.get(arm.name)
-        if s is not None:
-            lines.append("| " + " | ".join([arm.label] + ["n/a" if not s[key]["n"] else pm(s[key], fmt)
-                                                          for _, key, fmt in TIME_COLUMNS]) + " |")
     return "\n".join(lines)
 
 
@@ -220,7 +213,7 @@ def write_seeds_report(kind: str, arms: Sequence[Arm], runs: dict[int, list[ArmR
         lines += [text, ""]
     if kind == "staleness":
         lines += [staleness_recommendation(arms, summary), ""]
-    lines += [seeds_table(arms, summary), "", TIME_NOTE, "", time_table(arms, summary), "",
+    lines += [seeds_table(arms, summary), "", TIME_NOTE, "", seeds_table(arms, summary, TIME_COLUMNS, counts=False), "",
               "Realized staleness of consumed trajectories (all seeds):", ""]
     for arm in arms:
         if arm.name in summary:

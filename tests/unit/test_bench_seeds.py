@@ -141,7 +141,7 @@ def test_the_seeds_report_says_where_each_arms_time_went(tmp_path):
 
 def test_the_one_world_report_has_the_time_split_of_each_arm(tmp_path):
     """``bench`` without ``--seeds``: the time table beside the main one, an arm's own numbers (NaN where its
-    metrics predate a key, never a made-up 0)."""
+    metrics predate a key, as ``time_split`` gives it)."""
     from driver.bench.reports import write_report
     from driver.bench.results import COLUMNS
 
@@ -152,8 +152,8 @@ def test_the_one_world_report_has_the_time_split_of_each_arm(tmp_path):
             "steps_curve": [{"step": 1, "reward": 0.5, "response_length": 40, "searches": 1.0}],
             "train_s": 100.0, "learner_s": 70.0, "publish_s": 3.0, "engine_idle_share": 0.25,
             "tool_wait_share": 0.5}
-        if wait is not None:
-            result |= {"batch_wait_s": wait, "other_s": 15.0}
+        result |= {"batch_wait_s": wait, "other_s": 15.0} if wait is not None else \
+            {"batch_wait_s": float("nan"), "other_s": float("nan")}
         runs.append(ArmRun(Arm("sync", name, name, ()), tmp_path / name, [], result=result))
     md = write_report("sync", runs, tmp_path, "cmd").read_text()
     rows = [x for x in md.splitlines() if x.startswith("| sync | async |")]
