@@ -462,6 +462,10 @@ class SFTConfig(_Section):
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW's decoupled weight decay in every stage of the warm start, on the attention "
+        "and MLP matrices only (never the embeddings, whose frozen rows must not move, nor the norms): a pull "
+        "toward small weights, which costs a per-entity memorized answer more than a copy from the passage")
     warmup_steps: int = Field(20, ge=0)
     seed: int = 0
     threads: int = Field(

@@ -9,8 +9,8 @@
     demos      make_demonstrations(train questions, real retrieval)                     (warm_start.demos)
     SFT        per epoch: seeded shuffle -> length-grouped batches of sft.batch_size -> pack_batch (the RL
                learner's TrainBatch); loss = token-mean NLL over model-generated tokens (loss_mask == 1); AdamW;
-               grad clip 1.0; linear warmup over sft.warmup_steps, then cosine decay to 0; the embedding rows of
-               entity-name tokens frozen
+               grad clip 1.0; linear warmup over sft.warmup_steps, then cosine decay to 0; sft.weight_decay on the
+               layers' matrices (0 by default, every stage); the embedding rows of entity-name tokens frozen
     end        save_pretrained(model + tokenizer) into out_dir, sft_metrics.jsonl (one line per step), sft_summary.json
 
 Masking follows RL exactly: prompt and observation tokens are context, never targets. Alignment: the hidden state at
@@ -64,7 +64,7 @@ RETRIEVER_KEYS = ("backend", "topk", "index_dir", "dense_model", "faiss_index", 
 SFT_DEFAULTS = {("threads", 0), ("pretrain_questions_per_doc", 1), ("guess_value_loss", True),
                 ("frozen_embeddings", "names"), ("pretrain_packing", "windows"),
                 ("pretrain_answer_weight", 1.0), ("reading_target", 0.0), ("reading_round_steps", 250),
-                ("reading_max_rounds", 4)}  # left out of warm_start_inputs at these values
+                ("reading_max_rounds", 4), ("weight_decay", 0.0)}  # left out of warm_start_inputs at these values
 
 
 def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
@@ -402,13 +402,15 @@ def pretrain_on_texts(
     progress: Progress | None = None,
     packing: str = "windows",
     answer_weight: float = 1.0,
+    weight_decay: float = 0.0,
 ) -> list[float]:
     """Plain next-token LM on ``texts`` (every token a target): ``steps`` AdamW steps on ``batch_size`` rows, each
     a random ``seq_len``-token window of the concatenated token stream (``packing="windows"``,
     ``pretrain_windows``) or one whole text, right-padded (``packing="texts"``, ``pretrain_rows``); both seeded;
     warmup then constant LR. Returns the per-step losses. Used on ``demos.shuffled_world_observations`` (see
     ``run_sft`` for why). ``answer_weight`` (whole texts only): the loss weight of the reading exercises' answer
-    tokens (``answer_weights``), the loss then the weighted mean. ``threads`` picks torch's thread count step by step
+    tokens (``answer_weights``), the loss then the weighted mean. ``weight_decay``: ``warm_start_optimizer``'s.
+    ``threads`` picks torch's thread count step by step
     (``ThreadTuner``; None: leave it); ``progress`` is updated after every step."""
     if packing == "texts":
         if answer_weight != 1.0:  # one tokenization gives the ids and where each exercise's answer is
@@ -430,7 +432,7 @@ def pretrain_on_texts(
         batches = ((x, x[:, 1:], None) for x in pretrain_windows(data, steps, batch_size, seq_len, seed))
     else:
         raise ValueError(f"unknown pretraining packing {packing!r} (windows or texts)")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = warm_start_optimizer(model, lr, weight_decay)
     head = model.get_output_embeddings()
     losses: list[float] = []
     seen = 0
@@ -461,6 +463,18 @@ def pretrain_on_texts(
         if on_step:
             on_step({"stage": "pretrain", "step": step + 1, "loss": losses[-1]})
     return losses
+
+
+def warm_start_optimizer(model: Any, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """The warm start's AdamW (betas 0.9, 0.95) over the model's trainable parameters, ``weight_decay`` on the
+    matrices of the layers only: the input and output embeddings (a frozen row must stay where it is, and AdamW's
+    decay moves a row whose gradient is zero) and every vector (norms, biases) are not decayed."""
+    embeddings = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    decayed = [p for p in params if weight_decay and p.dim() >= 2 and id(p) not in embeddings]
+    rest = [p for p in params if not any(p is q for q in decayed)]
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
 
 
 def entity_token_ids(tokenizer: Any, titles: Iterable[str]) -> list[int]:
@@ -584,17 +598,18 @@ def train_on_batches(
     time_budget_s: float | None = None,
     threads: ThreadTuner | None = None,
     progress: Progress | None = None,
+    weight_decay: float = 0.0,
 ) -> tuple[list[float], int, int]:
     """``train_on_demos``' loop over batches of demonstrations. The cosine decays over ``total_steps``; with
     ``time_budget_s`` instead, ``batches`` may be endless: training stops once the steps themselves (packing,
     forward, backward, update; not the time ``batches`` takes to yield) have taken that many seconds, and the
     cosine's length is the number of steps the budget holds at the pace so far, so the LR still ends near 0.
+    ``weight_decay``: ``warm_start_optimizer``'s.
     ``threads`` picks torch's thread count step by step (``ThreadTuner``; None: leave it); ``progress`` is updated
     after every step (non-padding tokens)."""
     if (total_steps is None) == (time_budget_s is None):
         raise ValueError("give exactly one of total_steps and time_budget_s")
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = warm_start_optimizer(model, lr, weight_decay)
     model.train()
     losses: list[float] = []
     tokens = loss_tokens = 0
@@ -730,7 +745,7 @@ def run_sft(
                 pre_losses = pretrain_on_texts(
                     model, tokenizer, texts, pretrain_steps, s.batch_size, s.lr, s.warmup_steps, s.seed,
                     PRETRAIN_SEQ_LEN, on_step=record, threads=tuner, progress=bar, packing=s.pretrain_packing,
-                    answer_weight=s.pretrain_answer_weight,
+                    answer_weight=s.pretrain_answer_weight, weight_decay=s.weight_decay,
                 )
                 kept["pretrain"] = tuner.kept()
                 if bar:
@@ -748,7 +763,7 @@ def run_sft(
             tuner = threads or ThreadTuner.for_config(cfg.sft.threads)
             t_sft = time.perf_counter()
             losses, tokens, loss_tokens = train_on_demos(model, demos, plan, s.lr, s.warmup_steps, pad_id, record,
-                                                         threads=tuner, progress=bar)
+                                                         threads=tuner, progress=bar, weight_decay=s.weight_decay)
             sft_seconds = time.perf_counter() - t_sft
             kept["sft"] = tuner.kept()
             if bar:
@@ -852,7 +867,8 @@ def read_every_relation(
 
         bar = Progress(f"[sft] reading round {r + 1}", len(plan)) if progress else None
         losses, _, _ = train_on_demos(model, demos, plan, s.lr, s.warmup_steps, pad_id, record_round,
-                                      threads=threads or ThreadTuner.for_config(s.threads), progress=bar)
+                                      threads=threads or ThreadTuner.for_config(s.threads), progress=bar,
+                                      weight_decay=s.weight_decay)
         if bar:
             bar.close(_mean_last(losses), "")
         rounds[-1]["steps"] = len(plan)
@@ -959,7 +975,7 @@ def continue_sft(
 
         t0 = time.perf_counter()
         losses, tokens, _ = train_on_batches(model, rounds(), s.lr, s.warmup_steps, pad_id, record,
-                                             time_budget_s=seconds)
+                                             time_budget_s=seconds, weight_decay=s.weight_decay)
         wall = time.perf_counter() - t0
 
     model.save_pretrained(out, safe_serialization=True)

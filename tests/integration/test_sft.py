@@ -186,6 +186,48 @@ def test_sft_is_deterministic_and_keeps_entity_embeddings_frozen(setup, tmp_path
     assert tag not in frozen and not torch.equal(after[tag], before[tag])
 
 
+def test_weight_decay_pulls_the_layers_matrices_only(tiny_model_dir):
+    """``warm_start_optimizer``: with no gradient at all, a step shrinks every layer matrix by lr x decay and moves
+    no embedding row (a frozen row must stay put) and no norm."""
+    from warm_start.sft import warm_start_optimizer
+
+    model = _model(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = warm_start_optimizer(model, lr=0.1, weight_decay=0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    after = model.state_dict()
+    matrices = [k for k in after if "layers." in k and after[k].dim() == 2]
+    assert len(matrices) >= 10 and all(torch.allclose(after[k], before[k] * 0.95) for k in matrices)
+    kept = [k for k in after if k not in matrices]
+    assert any("embed" in k for k in kept) and any("norm" in k for k in kept)
+    assert all(torch.equal(after[k], before[k]) for k in kept)
+    # no decay: nothing moves without a gradient
+    model.load_state_dict(before)
+    warm_start_optimizer(model, lr=0.1).step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_sft_weight_decay_keeps_names_frozen_and_changes_the_layers(setup, tmp_path):
+    cfg, tok, _, demos, _, backend = setup
+    short = cfg.model_copy(deep=True)
+    short.sft.epochs = 1
+    kw = dict(demos=demos[:32], pretrain_steps=0, freeze_entity_embeddings=True, log_every=0)
+    run_sft(short, cfg.model.path, tmp_path / "plain", **kw)
+    short.sft.weight_decay = 1.0
+    run_sft(short, cfg.model.path, tmp_path / "decay", **kw)
+    frozen = entity_token_ids(tok, [p.title for p in backend.passages])
+    before = _model(cfg.model.path).get_input_embeddings().weight
+    plain, decay = _model(tmp_path / "plain"), _model(tmp_path / "decay")
+    assert torch.equal(decay.get_input_embeddings().weight[frozen], before[frozen])
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert decay.state_dict()[key].norm() < plain.state_dict()[key].norm()
+    inputs = json.loads((tmp_path / "decay" / "warm_start_inputs.json").read_text())
+    assert inputs["sft"]["weight_decay"] == 1.0  # a warm start of its own, not the plain one's folder
+    assert "weight_decay" not in json.loads((tmp_path / "plain" / "warm_start_inputs.json").read_text())["sft"]
+
+
 def test_with_every_embedding_frozen_only_the_layers_learn(setup, tmp_path):
     """``sft.frozen_embeddings: all``: the demonstrations stage keeps every embedding row (and the tied output
     head) as it was and still learns, in the layers."""
