@@ -197,6 +197,12 @@ def sync_comparison(rows: dict[str, list[dict]]) -> tuple[str, dict[str, Any]]:
     return text, d
 
 
+def _or_na(x: float, fmt: str) -> str:
+    """``x`` formatted, or ``n/a`` where there is no number (a standard-PPO arm has no importance weights; a share of
+    no trajectories is none)."""
+    return "n/a" if x != x else format(x, fmt)
+
+
 def write_seeds_report(kind: str, arms: Sequence[Arm], runs: dict[int, list[ArmRun]], out: Path, command: str,
                        reference: Callable[[Arm], bool]) -> Path:
     rows = per_seed_rows(runs, reference)
@@ -218,13 +224,12 @@ def write_seeds_report(kind: str, arms: Sequence[Arm], runs: dict[int, list[ArmR
     for arm in arms:
         if arm.name in summary:
             s = summary[arm.name]
-            lines.append(f"- {arm.label}: {s['staleness_histogram']}; max importance weight {s['iw_max']:.2f}; "
-                         f"share of trajectories of >= 256 response tokens: generated "
-                         f"{s['long_share']['generated']['mean']:.3f} (in the last quarter of the steps "
-                         f"{s['long_share']['generated_late']['mean']:.3f}), kept by the group filter "
-                         f"{s['long_share']['kept']['mean']:.3f}, trained on "
-                         f"{s['long_share']['consumed']['mean']:.3f}, left in the buffer at the end "
-                         f"{s['long_share']['left']['mean']:.3f} (of {s['left_at_end']['mean']:.0f} trajectories)")
+            share = {k: _or_na(v["mean"], ".3f") for k, v in s["long_share"].items()}
+            lines.append(f"- {arm.label}: {s['staleness_histogram']}; max importance weight "
+                         f"{_or_na(s['iw_max'], '.2f')}; share of trajectories of >= 256 response tokens: generated "
+                         f"{share['generated']} (in the last quarter of the steps {share['generated_late']}), kept "
+                         f"by the group filter {share['kept']}, trained on {share['consumed']}, left in the buffer at "
+                         f"the end {share['left']} (of {s['left_at_end']['mean']:.0f} trajectories)")
     if plot is not None:
         lines += ["", f"![held-out EM over training seconds per seed; staleness of trained-on data]({plot.name})"]
     failed = [f"seed {seed} {r.arm.name}: {r.error}" for seed, rs in runs.items() for r in rs if r.error]

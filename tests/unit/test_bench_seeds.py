@@ -68,6 +68,16 @@ def test_staleness_recommendation_is_the_soonest_of_the_accurate_arms(tmp_path):
     assert (tmp_path / "staleness_seeds.png").stat().st_size > 0 and "(staleness_seeds.png)" in md
 
 
+def test_a_standard_ppo_arm_reports_no_importance_weight(tmp_path):
+    arms = staleness_arms([0, 8], ppo=True)
+    runs = {0: [finished(tmp_path, arm, 0, [(0, 0), (100, 0.5)], 1.0) for arm in arms]}
+    ppo = runs[0][-1].run_dir / "metrics.jsonl"  # the standard loss logs no importance weights
+    ppo.write_text(ppo.read_text().replace('"iw_mean": 1.0, "iw_max": 1.5, "iw_capped_frac": 0.01', '"pg_loss": 0.1'))
+    md = write_seeds_report("staleness", arms, runs, tmp_path, "cmd", lambda arm: "ppo" not in arm.name).read_text()
+    assert "- eta=8, standard PPO: {0: 64}; max importance weight n/a;" in md
+    assert "- eta=8: {0: 64}; max importance weight 1.50;" in md
+
+
 def test_seeds_must_be_distinct_and_non_negative():
     assert parse_seeds("0,1,2") == [0, 1, 2]
     for bad in ("", "1,1", "-1"):
