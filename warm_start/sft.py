@@ -410,8 +410,8 @@ def pretrain_on_texts(
     warmup then constant LR. Returns the per-step losses. Used on ``demos.shuffled_world_observations`` (see
     ``run_sft`` for why). ``answer_weight`` (whole texts only): the loss weight of the reading exercises' answer
     tokens (``answer_weights``), the loss then the weighted mean. ``weight_decay``: ``warm_start_optimizer``'s.
-    ``threads`` picks torch's thread count step by step
-    (``ThreadTuner``; None: leave it); ``progress`` is updated after every step."""
+    ``threads`` picks torch's thread count step by step (``ThreadTuner``; None: leave it); ``progress`` is updated
+    after every step."""
     if packing == "texts":
         if answer_weight != 1.0:  # one tokenization gives the ids and where each exercise's answer is
             kept = [(t, ids, offs) for t, (ids, offs) in zip(texts, encode_with_offsets(tokenizer, texts))
@@ -471,9 +471,9 @@ def warm_start_optimizer(model: Any, lr: float, weight_decay: float = 0.0) -> to
     decay moves a row whose gradient is zero) and every vector (norms, biases) are not decayed."""
     embeddings = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
     params = [p for p in model.parameters() if p.requires_grad]
-    decayed = [p for p in params if weight_decay and p.dim() >= 2 and id(p) not in embeddings]
-    rest = [p for p in params if not any(p is q for q in decayed)]
-    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    decayed = {id(p) for p in params if weight_decay and p.dim() >= 2 and id(p) not in embeddings}
+    groups = [{"params": [p for p in params if id(p) in decayed], "weight_decay": weight_decay},
+              {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
 
 
