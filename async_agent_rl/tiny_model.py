@@ -49,9 +49,22 @@ def _corpus_texts(corpus_file: str | Path | None, extra_texts: Iterable[str]) ->
                     yield json.loads(line)["contents"]
 
 
+# The pre-tokenizer a tiny model's folder is used with. The folder's config.json says Qwen2, and transformers 5
+# loads it as Qwen2Tokenizer, which splits text with this pattern (one digit per token) and NFC-normalizes,
+# whatever tokenizer.json says; transformers 4 and the bare `tokenizers` library follow tokenizer.json. So
+# tokenizer.json says this too, and every loader tokenizes alike. The BPE merges are still learned on the
+# byte-level default split (digit runs whole, quotes apart from the letters after them), as the shipped vocabulary
+# always was: its merges of digit runs (about 300 tokens such as " 1957") are never produced, since a number is
+# split into digits before merging, as Qwen's tokenizer does.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+
 def train_tokenizer(cfg: TinyModelConfig, corpus_file: str | Path | None, extra_texts: Iterable[str] = ()):
     """Byte-level BPE trained on the corpus (plus the prompt templates), wrapped as a transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -65,6 +78,12 @@ def train_tokenizer(cfg: TinyModelConfig, corpus_file: str | Path | None, extra_
     )
     texts = list(_corpus_texts(corpus_file, extra_texts))
     tok.train_from_iterator(texts, trainer=trainer)
+    # What the folder is loaded as decides the split, so the saved file states the loaded one (see QWEN2_SPLIT).
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,

@@ -84,3 +84,16 @@ def test_tiny_model_on_the_real_qwen_tokenizer(qwen_model_dir, qwen_tokenizer):
     assert tok.decode(ids[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
     out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] >= ids.shape[1] + 1
+
+
+def test_tokenizer_file_says_how_the_folder_tokenizes(tiny_model_dir):
+    """transformers 5 loads the folder as Qwen2Tokenizer, which splits numbers into digits whatever tokenizer.json
+    says; the file must say the same split, or transformers 4 and the bare `tokenizers` library (which follow the
+    file) would give a trained model other token ids for every number."""
+    from tokenizers import Tokenizer
+
+    text = 'Aldo Venmar was born in 1957 in "Falbeis". <answer> 1957 </answer>\nIt\'s 3.5'
+    loaded = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = loaded.encode(text, add_special_tokens=False)
+    assert Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).encode(text).ids == ids
+    assert [loaded.decode([i]) for i in loaded.encode(" 1957", add_special_tokens=False)] == [" ", "1", "9", "5", "7"]
