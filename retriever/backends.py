@@ -92,6 +92,10 @@ class BM25Backend:
     process); a smaller corpus, or no numba, takes the numpy path (a 256-query batch on 532 passages in 36 ms, but a
     single query on 2,000 passages ~2 ms of server CPU against numba's ~0.3 ms: benchmarks/RESULTS.md, "Retriever").
     Hits with score 0 (no query term in the passage) are dropped.
+
+    Equal scores rank by corpus position (the passage indexed first comes first), whichever kernel scored them: the
+    kernels break ties each their own way, and in a corpus of templated passages many scores tie, so which tied
+    passage a query gets would otherwise change with the corpus size, and every demonstration and observation with it.
     """
 
     name = "bm25"
@@ -164,17 +168,35 @@ class BM25Backend:
         live = [i for i, q in enumerate(ids) if q]
         if not live:
             return results
-        k = min(topk, len(self.passages))
+        n = len(self.passages)
+        k = min(topk, n)
+        probe = min(k + 1, n)  # one hit past the cut shows whether a tie crosses it
         docs, scores = self._model.retrieve(
-            [ids[i] for i in live], k=k, show_progress=False, n_threads=1
+            [ids[i] for i in live], k=probe, show_progress=False, n_threads=1
         )
         for row, qi in enumerate(live):
+            d, s = docs[row], scores[row]
+            if probe > k and s[k - 1] > 0 and s[k] == s[k - 1]:  # which of the tied passages make the top k: rank the whole corpus
+                full = self._model.get_scores(ids[qi])
+                d = top_by_score_then_position(full, k)
+                s = full[d]
+            else:  # the top k are set; order their ties by position
+                order = np.lexsort((d[:k], -s[:k]))
+                d, s = d[:k][order], s[:k][order]
             results[qi] = [
-                Hit(self.passages[d].id, self.passages[d].contents, float(s))
-                for d, s in zip(docs[row].tolist(), scores[row].tolist())
-                if s > 0
+                Hit(self.passages[j].id, self.passages[j].contents, float(v))
+                for j, v in zip(d.tolist(), s.tolist())
+                if v > 0
             ]
         return results
+
+
+def top_by_score_then_position(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` highest ``scores``, highest first, equal scores by index (lowest first)."""
+    cut = len(scores) - k
+    kth = np.partition(scores, cut)[cut]
+    candidates = np.flatnonzero(scores >= kth)
+    return candidates[np.lexsort((candidates, -scores[candidates]))][:k]
 
 
 # ----------------------------------------------------------------------------------------------------------- dense
