@@ -79,7 +79,14 @@ def host_problem(host: str) -> str | None:
 
 # ----------------------------------------------------------------------------------------------------------- model
 class TinyModelConfig(_Section):
-    """Shape of the tiny Qwen2 model that ``model init`` builds (random init)."""
+    """Shape of the tiny model that ``model init`` builds (random init): Qwen2 by default, or Qwen3, whose head size
+    is set apart from the width (vLLM's Qwen2 always serves ``hidden_size / num_attention_heads``, and its CPU
+    attention needs a head size of at least 32, so more heads at width 128 take Qwen3)."""
+
+    architecture: Literal["qwen2", "qwen3"] = Field(
+        "qwen2", description="qwen3 adds per-head query/key RMSNorm, no q/k/v biases, and its own head_dim")
+    head_dim: Optional[int] = Field(
+        None, ge=8, description="size of one attention head; unset = hidden_size / num_attention_heads (qwen3 only)")
 
     vocab_size: int = Field(4096, ge=300, description="BPE vocabulary size, trained on the corpus")
     hidden_size: int = Field(128, ge=8)
@@ -93,7 +100,9 @@ class TinyModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads(self) -> "TinyModelConfig":
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is not None and self.architecture == "qwen2":
+            raise ValueError("head_dim is set by hidden_size / num_attention_heads in qwen2; use architecture: qwen3")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")

@@ -103,10 +103,10 @@ def train_tokenizer(cfg: TinyModelConfig, corpus_file: str | Path | None, extra_
 
 def build_model(cfg: TinyModelConfig, tokenizer):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(cfg.seed)
-    config = Qwen2Config(
+    shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -120,7 +120,11 @@ def build_model(cfg: TinyModelConfig, tokenizer):
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
-    model = Qwen2ForCausalLM(config)
+    if cfg.architecture == "qwen3":
+        head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **shape))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model

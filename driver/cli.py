@@ -5,7 +5,7 @@ Subcommands (``async-agent-rl COMMAND --help`` for each)::
     config show      print the resolved config; non-zero exit on a bad one
     data make-world  generate the embedded search world (corpus + train/test parquet)
     data import-wiki turn the offline Wikipedia summaries into a wiki-18 style corpus
-    model init       build a tiny Qwen2 model + BPE tokenizer from a config
+    model init       build a tiny Qwen2 (or Qwen3) model + BPE tokenizer from a config
     retriever ...    serve / index a Search-R1-compatible retrieval server
     prepare          world + model for a config, idempotent (what the README's run command does first)
     rollout          run episodes with the current model and write them as JSON lines
@@ -83,7 +83,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     out = Path(args.out or cfg.model.path)
     corpus = args.corpus or (cfg.data.corpus_file if Path(cfg.data.corpus_file).is_file() else None)
     init_tiny_model(out, cfg.model.init, corpus)
-    print(f"tiny Qwen2 model ({cfg.model.init.hidden_size}x{cfg.model.init.num_hidden_layers}) -> {out}")
+    print(f"tiny {cfg.model.init.architecture} model ({cfg.model.init.hidden_size}x{cfg.model.init.num_hidden_layers}) -> {out}")
     return 0
 
 
@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     iw.set_defaults(func=cmd_import_wiki)
 
     model = sub.add_parser("model", help="models").add_subparsers(dest="action", required=True)
-    mi = model.add_parser("init", help="build a tiny Qwen2 model and tokenizer from the config")
+    mi = model.add_parser("init", help="build a tiny Qwen2 (or Qwen3) model and tokenizer from the config")
     mi.add_argument("--out", help="output folder (default: model.path)")
     mi.add_argument("--corpus", help="train the tokenizer on this corpus (default: data.corpus_file if present)")
     _add_config_args(mi)

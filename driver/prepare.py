@@ -44,7 +44,7 @@ def prepare(cfg: Config, force: bool = False) -> Iterator[str]:
         raise ConfigError(problem)
     if build:
         init_tiny_model(model_dir, cfg.model.init, cfg.data.corpus_file)
-        yield f"built a tiny Qwen2 model (hidden {cfg.model.init.hidden_size}, {cfg.model.init.num_hidden_layers} layers) -> {model_dir}"
+        yield f"built a tiny {cfg.model.init.architecture} model (hidden {cfg.model.init.hidden_size}, {cfg.model.init.num_hidden_layers} layers) -> {model_dir}"
     elif has_model:
         yield f"model present: {model_dir}"
     else:

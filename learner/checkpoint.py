@@ -223,7 +223,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], keys: Ite
 
 
 ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "num_key_value_heads")  # fmt: skip
+             "num_attention_heads", "num_key_value_heads", "head_dim")  # fmt: skip
 
 
 def check_model_matches(ckpt: str | Path, model_path: str | Path) -> None:

@@ -97,3 +97,30 @@ def test_tokenizer_file_says_how_the_folder_tokenizes(tiny_model_dir):
     ids = loaded.encode(text, add_special_tokens=False)
     assert Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).encode(text).ids == ids
     assert [loaded.decode([i]) for i in loaded.encode(" 1957", add_special_tokens=False)] == [" ", "1", "9", "5", "7"]
+
+
+def test_qwen3_tiny_model_has_its_own_head_size(tiny_model_dir, tmp_path):
+    """More heads than the width gives at a head size vLLM's CPU attention serves (32) take Qwen3's head_dim."""
+    from async_agent_rl.config import TinyModelConfig
+    from async_agent_rl.tiny_model import init_tiny_model
+    from tests.helpers import TEST_TINY_MODEL
+
+    shape = {**TEST_TINY_MODEL, "architecture": "qwen3", "head_dim": 32, "num_attention_heads": 8,
+             "num_key_value_heads": 4}
+    cfg = TinyModelConfig(**shape)
+    out = init_tiny_model(tmp_path / "q3", cfg, tokenizer=tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    attn = model.model.layers[0].self_attn
+    assert model.config.model_type == "qwen3" and model.config.head_dim == 32
+    assert attn.q_proj.weight.shape == (8 * 32, cfg.hidden_size)
+    assert attn.k_proj.weight.shape == (4 * 32, cfg.hidden_size)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_head_dim_needs_qwen3():
+    from async_agent_rl.config import TinyModelConfig
+
+    with pytest.raises(ValueError, match="use architecture: qwen3"):
+        TinyModelConfig(head_dim=32, num_attention_heads=8, num_key_value_heads=4)
+    assert TinyModelConfig(architecture="qwen3", head_dim=32, num_attention_heads=8, num_key_value_heads=4,
+                           hidden_size=128).head_dim == 32
