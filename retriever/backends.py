@@ -99,6 +99,7 @@ class BM25Backend:
     """
 
     name = "bm25"
+    TIES = "corpus_position"  # the tie rule, named in a warm start's inputs: a warm start made before it differs
     STOPWORDS = "en"
     STEMMER = "english"
 

@@ -71,13 +71,18 @@ def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
     """The resolved settings a warm start depends on (JSON-able): the starting model, the data and prompt format,
     the retriever that makes the demonstrations' observations, the episode budgets and the ``sft`` section.
     ``run_sft`` writes them beside the model; a run reusing the folder must have the same ones."""
+    from retriever.backends import BM25Backend
+
     d = cfg.to_dict()
     rollout = ("max_turns", "max_tokens_per_turn", "max_response_length", "max_obs_length")
+    retriever = {k: v for k, v in d["retriever"].items() if k in RETRIEVER_KEYS and v not in (None, "")}
+    if retriever["backend"] == "bm25":  # which of equally scored passages a search returns (since ad0d94b)
+        retriever["ties"] = BM25Backend.TIES
     return {
         "model_dir": str(model_dir),
         "model": {k: v for k, v in d["model"].items() if k in ("init", "max_model_len")},
         "data": {k: v for k, v in d["data"].items() if k not in ("test_files",)},
-        "retriever": {k: v for k, v in d["retriever"].items() if k in RETRIEVER_KEYS and v not in (None, "")},
+        "retriever": retriever,
         "rollout": {k: d["rollout"][k] for k in rollout},
         "reward": d["reward"],
         # a pinned thread count names its own warm start (the learning study compares them); the default does not
