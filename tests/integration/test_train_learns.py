@@ -22,6 +22,8 @@ it was measured and passed CI in this form; with the exercises at 300 pretrainin
 shipped recipe learns is a statistic over warm starts and worlds: ``bench learning`` (benchmarks/RESULTS.md,
 "Learning on every warm start"), not one test run.
 
+The measured figures are of the warm start committed on 2026-11-28; the one committed since ad0d94b (BM25 ties by
+corpus position change its demonstrations) passes the same bars.
 The warm start is committed (``tests/data/learns_warm_start/``, ~3 MB; made by ``python -m
 tests.integration.test_train_learns``, about 6 minutes): it is what this recipe's SFT makes on the test world, and
 training it again in every CI run cost 6 of its 90 minutes. Its ``fingerprint.json`` holds the warm start's
