@@ -62,9 +62,14 @@ def engine_head_size_problem(cfg: Config, model_dir: Path | None) -> str | None:
     if cfg.rollout.engine != "vllm" or cfg.run.device != "cpu":
         return None
     if model_dir is None:
-        head = cfg.model.init.hidden_size // cfg.model.init.num_attention_heads
-        where, fix = f"model.init (hidden_size {cfg.model.init.hidden_size} / num_attention_heads " \
-                     f"{cfg.model.init.num_attention_heads})", "choose num_attention_heads so that it is"
+        init = cfg.model.init
+        if init.head_dim:
+            head, where = init.head_dim, "model.init.head_dim"
+            fix = "choose head_dim so that it is"
+        else:
+            head = init.hidden_size // init.num_attention_heads
+            where = f"model.init (hidden_size {init.hidden_size} / num_attention_heads {init.num_attention_heads})"
+            fix = "choose num_attention_heads so that it is (or architecture: qwen3 with its own head_dim)"
     else:
         try:
             mc = json.loads((model_dir / "config.json").read_text())

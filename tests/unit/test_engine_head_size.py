@@ -45,6 +45,16 @@ def test_a_tiny_model_to_build_with_head_size_16_is_refused_before_it_is_built(t
     assert engine_head_size_problem(fine, None) is None and not [p for p in dry_run(fine, gpus=[]).problems if "head" in p]
 
 
+def test_a_qwen3_model_to_build_is_judged_by_its_head_dim(tmp_path, world_dir):
+    """Eight heads at width 128 are served when Qwen3's head_dim makes each 32 wide; a head_dim of 16 is refused."""
+    model = tmp_path / "model"
+    base = [*world_overrides(world_dir, model), "model.build_if_missing=true", *HEADS_8, "model.init.architecture=qwen3"]
+    cfg = load_config(REPO / "configs/quickstart.yaml", [*base, "model.init.head_dim=32"])
+    assert engine_head_size_problem(cfg, None) is None
+    cfg = load_config(REPO / "configs/quickstart.yaml", [*base, "model.init.head_dim=16"])
+    assert "model.init.head_dim: attention head size 16" in engine_head_size_problem(cfg, None)
+
+
 def test_a_present_model_is_judged_by_its_own_config(tmp_path, world_dir):
     model = tmp_path / "model"
     cfg = load_config(REPO / "configs/quickstart.yaml", world_overrides(world_dir, model))
