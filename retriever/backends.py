@@ -177,7 +177,7 @@ class BM25Backend:
         )
         for row, qi in enumerate(live):
             d, s = docs[row], scores[row]
-            if probe > k and s[k - 1] > 0 and s[k] == s[k - 1]:  # which of the tied passages make the top k: rank the whole corpus
+            if probe > k and s[k - 1] > 0 and s[k] == s[k - 1]:  # a tie crosses the cut: rank the whole corpus
                 full = self._model.get_scores(ids[qi])
                 d = top_by_score_then_position(full, k)
                 s = full[d]
