@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator
 from async_agent_rl.config import TinyModelConfig
 from async_agent_rl.prompts import MINIMAL_TEMPLATE, SEARCH_R1_TEMPLATE, TAGS
 
+TINY_MODEL_FILE = "tiny_model.json"  # the model.init a tiny model folder was built from
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -151,7 +152,7 @@ def init_tiny_model(
     model = build_model(cfg, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "tiny_model.json").write_text(json.dumps(cfg.model_dump(), indent=1))
+    (out / TINY_MODEL_FILE).write_text(json.dumps(cfg.model_dump(), indent=1))
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from async_agent_rl.config import Config, ConfigError
 from async_agent_rl.data.world import generate_world, write_world
-from async_agent_rl.tiny_model import init_tiny_model
+from async_agent_rl.tiny_model import TINY_MODEL_FILE, init_tiny_model
 
 
 def _missing(paths: list[str]) -> list[str]:
@@ -42,6 +42,10 @@ def prepare(cfg: Config, force: bool = False) -> Iterator[str]:
     problem = engine_head_size_problem(cfg, None if build else model_dir)  # a model to build: judged before it is
     if problem:
         raise ConfigError(problem)
+    if has_model and not build and cfg.model.build_if_missing:
+        problem = built_model_problem(cfg, model_dir)
+        if problem:
+            raise ConfigError(problem)
     if build:
         init_tiny_model(model_dir, cfg.model.init, cfg.data.corpus_file)
         yield f"built a tiny {cfg.model.init.architecture} model (hidden {cfg.model.init.hidden_size}, {cfg.model.init.num_hidden_layers} layers) -> {model_dir}"
@@ -49,6 +53,29 @@ def prepare(cfg: Config, force: bool = False) -> Iterator[str]:
         yield f"model present: {model_dir}"
     else:
         raise ConfigError(f"model.path {model_dir} has no config.json (set model.build_if_missing=true to build a tiny one)")
+
+
+def built_model_problem(cfg: Config, model_dir: Path) -> str | None:
+    """Why a tiny model present at ``model_dir``, built from another ``model.init`` than the config's (its
+    ``tiny_model.json``), must not be used as if it were the config's, or None. A run with ``build_if_missing``
+    builds once and reuses the folder; after the config's model changes (a new default shape) the old folder would
+    otherwise be trained under the new config's name. A folder without that file (a user's own model) is not
+    judged."""
+    from async_agent_rl.config import TinyModelConfig
+
+    try:
+        saved = TinyModelConfig(**json.loads((model_dir / TINY_MODEL_FILE).read_text())).model_dump()
+    except OSError:
+        return None
+    except (ValueError, TypeError) as e:
+        why = str(e).strip().splitlines()[0]
+        return f"model.path {model_dir}: {TINY_MODEL_FILE} is not a tiny model's recipe ({why}); delete the folder"
+    want = cfg.model.init.model_dump()
+    diff = [f"{k} {saved[k]} (model.init: {want[k]})" for k in want if saved.get(k) != want[k]]
+    if not diff:
+        return None
+    return (f"model.path {model_dir} holds a tiny model built from another model.init: {', '.join(diff)}; delete "
+            f"the folder (or `async-agent-rl prepare --force`) to build the config's, or point model.path elsewhere")
 
 
 # The attention head sizes vLLM's CPU attention backend serves (its ``get_supported_head_sizes``); another size

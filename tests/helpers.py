@@ -162,9 +162,10 @@ def stop_cluster(temp_dir: Path, sid: int | None, grace_s: float = 5.0) -> None:
 
 def world_overrides(world_dir: Path, model_dir: Path) -> list[str]:
     """Dotted overrides that point any config at the session's world and a model folder, so nothing reads or
-    writes the repository's runs/ folder."""
+    writes the repository's runs/ folder. The folder is used as it is (the session's tiny model is not the config's
+    ``model.init``); a test that builds one adds ``model.build_if_missing=true`` after these."""
     return [
-        f"model.path={model_dir}", "model.max_model_len=1024", f"data.world_dir={world_dir}",
+        f"model.path={model_dir}", "model.build_if_missing=false", "model.max_model_len=1024", f"data.world_dir={world_dir}",
         f"data.train_files={json.dumps([str(world_dir / 'train.parquet')])}",
         f"data.test_files={json.dumps([str(world_dir / 'test.parquet')])}",
         f"data.corpus_file={world_dir / 'corpus.jsonl'}", "data.prompt_template=minimal",
