@@ -18,7 +18,9 @@ from tests.helpers import world_overrides
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-HEADS_8 = ["model.init.num_attention_heads=8", "model.init.num_key_value_heads=4"]
+# Qwen2 with eight heads at width 128: each head 16 wide (the quickstart's own model is Qwen3 with head_dim 32)
+HEADS_8 = ["model.init.architecture=qwen2", "model.init.head_dim=null", "model.init.num_attention_heads=8",
+           "model.init.num_key_value_heads=4"]
 
 
 def write_config(d: Path, **shape) -> Path:

@@ -1,0 +1,14 @@
+#!/bin/bash
+# copy_study.sh RUN_DIR DEST: a bench study's report, plots and each finished arm's small files (config, metrics,
+# evaluations, summary, its warm start's summary) into DEST, to be committed.
+set -euo pipefail
+src=$1; dst=$2
+mkdir -p "$dst"
+cp "$src"/report.md "$src"/report.json "$src"/*.png "$dst"/ 2>/dev/null || true
+for arm in "$src"/*-rl; do
+  [ -f "$arm/summary.json" ] || continue
+  d="$dst/$(basename "$arm")"; mkdir -p "$d"
+  cp "$arm"/{config.yaml,eval.jsonl,metrics.jsonl,summary.json} "$d"/
+  ws=$(python3 -c "import sys,yaml; print(yaml.safe_load(open(sys.argv[1]))['model']['path'])" "$arm/config.yaml" 2>/dev/null || true)
+  [ -n "$ws" ] && [ -f "$ws/sft_summary.json" ] && cp "$ws/sft_summary.json" "$d"/ || true
+done
