@@ -4,8 +4,9 @@
     python benchmarks/learner_bench.py --configs 0:float32 --publishes 0
     python benchmarks/learner_bench.py --out benchmarks/results/learner/    # also write the run's files there
 
-One rank, real DeepSpeed on CPU (gloo, torch AdamW). The model is the quickstart's tiny Qwen2 (hidden 128, 2 layers,
-a byte-level BPE of at most 4096 tokens trained on a generated search world: 3,540 on the shipped one), built into a
+One rank, real DeepSpeed on CPU (gloo, torch AdamW). The model is the tiny Qwen2 of ``TinyModelConfig``'s
+defaults (hidden 128, 2 layers, 4 heads: the quickstart's model until 2026-12-01, which has 8 heads of 32 since; a
+byte-level BPE of at most 4096 tokens trained on a generated search world: 3,540 on the shipped one), built into a
 temporary folder unless ``--model`` names one.
 A synthetic batch of ``--batch-size`` trajectories (prompt ``--prompt-len`` | model turn | observation | model turn,
 ``--response-len`` response tokens in all, two rollouts per prompt, rewards 0/1) is trained for ``--steps`` steps per

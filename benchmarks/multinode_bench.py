@@ -8,7 +8,7 @@ The cluster is a multi-node Ray cluster on this machine (``tests/multinode.py``:
 own object store, all on 127.0.0.1, token authentication on): the head node runs this driver and one learner rank
 (``cluster.learner_resources``), node ``r1`` one vLLM engine (CPU build, in-process engine core, ``pause`` mode;
 ``cluster.rollout_resources``) and a bare peer actor. For each size (the models of ``weight_sync_bench.py``: random
-Qwen2 on the quickstart's tokenizer, ``1m`` the quickstart's shape), ``--publishes`` times each, alternately:
+Qwen2 on the quickstart's tokenizer, ``1m`` the quickstart's four-head shape of before 2026-12-01), ``--publishes`` times each, alternately:
 
 - ``object_store``: the trainer's path end to end: the learner's state dict into the head's object store
   (``LearnerGroup.state_dict_ref``), ``ObjectStorePublisher.publish``: the engine's node pulls the object into its

@@ -4,7 +4,7 @@
     python benchmarks/weight_sync_bench.py --sizes 1m --publishes 3
     python benchmarks/weight_sync_bench.py --out benchmarks/results/weight_sync/   # also write the run's files there
 
-For each size (random Qwen2 models on the quickstart's tokenizer: ``1m`` is the quickstart's shape, ``20m`` and
+For each size (random Qwen2 models on the quickstart's tokenizer: ``1m`` is the quickstart's four-head shape of before 2026-12-01, ``20m`` and
 ``100m`` are wider and deeper), one learner rank (a ``LearnerActor``, DeepSpeed on CPU) and one vLLM engine in a Ray
 actor (CPU build, in-process engine core, ``pause`` mode) are started, then, alternately, ``--publishes`` times each:
 
