@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from async_agent_rl.config import Config
 from async_agent_rl.errors import InputError
-from driver.prepare import engine_head_size_problem
+from driver.prepare import built_model_problem, engine_head_size_problem
 from retriever.backends import INDEX_META_FILE, check_encoder_dir, check_faiss_file
 
 GIB = 1 << 30
@@ -137,9 +137,9 @@ def _check_model(cfg: Config, report: Report) -> int | None:
         if damaged:
             report.problems += [f"model.path {problem}" for problem in damaged]
             return None
-        head = engine_head_size_problem(cfg, path)
-        if head:
-            report.problems.append(head)
+        for problem in (engine_head_size_problem(cfg, path), cfg.model.build_if_missing and built_model_problem(cfg, path)):
+            if problem:
+                report.problems.append(problem)
         params = count_parameters(path)
         size = f"{params / 1e9:.2f} B" if params and params >= 1e8 else f"{(params or 0) / 1e6:.1f} M"
         report.say("model", f"{path}: present" + (f" ({size} parameters)" if params else ""))

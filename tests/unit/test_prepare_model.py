@@ -13,6 +13,7 @@ import pytest
 
 from async_agent_rl.config import ConfigError, load_config
 from async_agent_rl.tiny_model import TINY_MODEL_FILE
+from driver.check import dry_run
 from driver.prepare import prepare
 from tests.helpers import world_overrides
 
@@ -36,9 +37,11 @@ def test_a_model_built_from_another_init_is_refused_naming_what_differs(tmp_path
     with pytest.raises(ConfigError, match=rf"model.path {model} holds a tiny model built from another model.init: "
                                           r".*num_attention_heads 4 \(model.init: 8\).*delete the folder"):
         list(prepare(cfg))
+    assert any("built from another model.init" in p for p in dry_run(cfg, gpus=[]).problems)  # train --dry-run too
     # the same folder under the init it was built from is reused as before
     (model / TINY_MODEL_FILE).write_text(json.dumps(cfg.model.init.model_dump()))
     assert any(line.startswith("model present") for line in prepare(cfg))
+    assert not [p for p in dry_run(cfg, gpus=[]).problems if "model.init" in p]
     # a model folder named by the user (no build) is not judged by model.init, nor is one without the recipe file
     (model / TINY_MODEL_FILE).unlink()
     assert any(line.startswith("model present") for line in prepare(cfg))
