@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import async_agent_rl  # noqa: F401  - its MKL setting must come before any test module loads torch, as in the CLI
+import async_agent_rl  # noqa: F401  - its MKL setting must come before any test's first matrix product
 
 # CPU defaults for vLLM / DeepSpeed / Ray, set before any of them is imported by a test.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
