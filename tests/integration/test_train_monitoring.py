@@ -91,6 +91,8 @@ def small_run_overrides(out_dir: Path, world_dir: Path, model_dir: Path) -> list
         "run.name=monitored",
         f"run.output_dir={out_dir}",
         f"model.path={model_dir}",
+        # the session's tiny model is the code default, not the quickstart's model.init: use it as it is
+        "model.build_if_missing=false",
         f"data.world_dir={world_dir}",
         f"data.train_files={json.dumps([str(world_dir / 'train.parquet')])}",
         f"data.test_files={json.dumps([str(world_dir / 'test.parquet')])}",
