@@ -1,7 +1,7 @@
 #!/bin/bash
-# copy_study.sh RUN_DIR DEST: a bench study's report, plots and each finished arm's small files (config, metrics,
-# evaluations, summary, its warm start's summary), each SFT-only arm's summary, scores and config, and the
-# warm starts' sha256 into DEST, to be committed.
+# copy_study.sh RUN_DIR DEST: a bench study's report, plots, each finished RL arm's small files (config, metrics,
+# evaluations, summary, its warm start's summary and sha256) and each SFT-only arm's summary, scores and config
+# into DEST, to be committed.
 set -euo pipefail
 src=$1; dst=$2
 mkdir -p "$dst"
@@ -11,15 +11,12 @@ for arm in "$src"/*-rl; do
   d="$dst/$(basename "$arm")"; mkdir -p "$d"
   cp "$arm"/{config.yaml,eval.jsonl,metrics.jsonl,summary.json} "$d"/
   ws=$(python3 -c "import sys,yaml; print(yaml.safe_load(open(sys.argv[1]))['model']['path'])" "$arm/config.yaml" 2>/dev/null || true)
-  [ -n "$ws" ] && [ -f "$ws/sft_summary.json" ] && cp "$ws/sft_summary.json" "$d"/ || true
+  [ -n "$ws" ] || continue
+  if [ -f "$ws/sft_summary.json" ]; then cp "$ws/sft_summary.json" "$d"/; fi
+  if [ -f "$ws/model.safetensors" ]; then (cd "$ws" && sha256sum model.safetensors) > "$d/warm_start.sha256"; fi
 done
 for arm in "$src"/*-sft; do
   [ -f "$arm/continue_sft_summary.json" ] || continue
   d="$dst/$(basename "$arm")"; mkdir -p "$d"
   cp "$arm"/{continue_sft_summary.json,scores.json,sft_config.yaml} "$d"/ 2>/dev/null || true
-done
-for arm in "$dst"/*-rl; do
-  [ -d "$arm" ] || continue
-  ws=$(python3 -c "import sys,yaml; print(yaml.safe_load(open(sys.argv[1]))['model']['path'])" "$arm/config.yaml" 2>/dev/null || true)
-  [ -n "$ws" ] && [ -f "$ws/model.safetensors" ] && (cd "$ws" && sha256sum model.safetensors) > "$arm/warm_start.sha256" || true
 done
