@@ -1,8 +1,9 @@
 """How well a model reads each relation off a passage, measured in the pretraining's own format.
 
 A warm start has to learn to read every relation (a birth year, an occupation, a city's country, ...) from the
-passage a search returns; whether it does is decided relation by relation (benchmarks/RESULTS.md, "What the warm
-start reads"). ``reading_scores`` measures it directly: on a fact-shuffled copy of the world that no training text
+passage a search returns; whether it does is decided relation by relation
+(benchmarks/history/2026-11-27_warm-start-recipes.md, "What the warm start reads"). ``reading_scores`` measures it
+directly: on a fact-shuffled copy of the world that no training text
 used (its own seed), the passages are grouped as the pretraining's observations are, each followed by one of the
 world's single-hop questions about a shown document, and the model's greedy (teacher-forced) prediction of the
 answer's tokens is checked. A shuffled copy has no true facts, so an answer is right only when it was read.

@@ -828,8 +828,9 @@ def read_every_relation(
 ) -> list[dict[str, Any]]:
     """``sft.reading_target``: train until the model reads every relation, relation by relation.
 
-    Which relations a warm start learns to read in its demonstrations stage is chance (benchmarks/RESULTS.md,
-    "Learning on every warm start"): most read, about one (birth years, occupations, a city's country...) does not,
+    Which relations a warm start learns to read in its demonstrations stage is chance
+    (benchmarks/history/2026-11-27_reading-rounds.md): most read, about one (birth years, occupations, a city's
+    country...) does not,
     and RL does not teach it. So: check reading per relation (``warm_start.reading.episode_reading_scores``: thorough
     expert episodes on a fact-shuffled copy of the world of its own, about train subjects, teacher-forced; a
     memorized answer is wrong there); while some relation reads below the target, train ``sft.reading_round_steps``
