@@ -46,6 +46,7 @@ from async_agent_rl.config import BufferConfig, Config
 from async_agent_rl.records import Trajectory
 from async_agent_rl.staleness import AdmissionState
 from async_agent_rl.stats import BufferStats, new_incarnation
+from async_agent_rl.waits import WaitTimeout, bounded, within
 from buffer.replay_buffer import PushResult, ReplayBuffer, SnapshotError, peek_group_id
 
 SNAPSHOT_FILE = "replay_buffer.snapshot"
@@ -84,6 +85,7 @@ class BufferActor:
         self._late_pushes = 0
         self._late_rejects = 0
         self._deferred: Optional[list[tuple[int, str]]] = None  # evictions seen inside a push
+        self._latest: list[bytes] = []  # the latest batch handed to the learner (``latest_batch``)
 
     def _new_buffer(self) -> ReplayBuffer:
         return ReplayBuffer(self.config, self.group_size, max_trajectory_tokens=self.max_trajectory_tokens,
@@ -215,6 +217,7 @@ class BufferActor:
     def sample(self, batch_size: int, learner_version: int) -> Optional[list[bytes]]:
         blobs = self.buffer.sample_wire(batch_size, learner_version)
         if blobs is not None:
+            self._latest = blobs
             self._samples += 1
             every = self.config.snapshot_every_steps
             if self.config.snapshot_dir and every and self._samples % every == 0:
@@ -238,6 +241,16 @@ class BufferActor:
                 await asyncio.wait_for(self._changed.wait(), left if expiry is None else min(left, expiry + 0.01))
             except asyncio.TimeoutError:
                 pass
+
+    def latest_batch(self, n: int) -> list[bytes]:
+        """Up to ``n`` trajectories (wire bytes) of the latest batch handed to the learner, the first member of each
+        group, then the second, ...: the run's sample of training episodes (``monitoring.episode_sample``)."""
+        groups: dict[str, list[bytes]] = {}
+        for blob in self._latest:
+            groups.setdefault(peek_group_id(blob), []).append(blob)
+        ranked = sorted(((rank, i) for i, g in enumerate(groups.values()) for rank in range(len(g))))
+        members = list(groups.values())
+        return [members[i][rank] for rank, i in ranked[: max(0, n)]]
 
     # ---------------------------------------------------------------------------------------- monitoring, disk
     def stats(self) -> BufferStats:
@@ -334,8 +347,8 @@ async def push_async(
     """One ``push_many`` call: the buffer takes what fits and names the rest (module docstring, step 2). Raises
     ``TimeoutError`` when it is not answered within ``call_timeout_s`` (a buffer stopped or hung)."""
     try:
-        return await asyncio.wait_for(actor.push_many.remote(list(blobs)), call_timeout_s)
-    except asyncio.TimeoutError:
+        return await within(actor.push_many.remote(list(blobs)), call_timeout_s, "the replay buffer (push_many)")
+    except WaitTimeout:
         raise TimeoutError(_silent(call_timeout_s, len(blobs))) from None
 
 
@@ -352,7 +365,8 @@ def push_all(
     rest, waits = list(blobs), 0
     while rest:
         try:
-            result: PushResult = ray.get(actor.push_many.remote(rest), timeout=call_timeout_s)
+            result: PushResult = bounded(ray.get, actor.push_many.remote(rest), timeout_s=call_timeout_s,
+                                         what="the replay buffer (push_many)")
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(_silent(call_timeout_s, len(rest))) from None
         rest = result.rest(rest)
