@@ -10,6 +10,7 @@ Subcommands (``async-agent-rl COMMAND --help`` for each)::
     prepare          world + model for a config, idempotent (what the README's run command does first)
     rollout          run episodes with the current model and write them as JSON lines
     show             print episodes turn by turn, observations marked, with the loss mask
+    view             a run's curves and training episodes as a page on 127.0.0.1, during or after the run
     sft              supervised warm start on generated demonstration episodes
     train            the whole asynchronous system on Ray (the main job); --dry-run: check a config first
     eval             greedy exact match / F1 / searches / turns of a checkpoint on held-out questions
@@ -357,11 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from driver.bench.cli import register as register_bench
     from driver.sft_cli import register as register_sft
+    from driver.view import register as register_view
     from retriever.cli import register as register_retriever
 
     register_retriever(sub)
     register_sft(sub)
     register_bench(sub)
+    register_view(sub)
     return parser
 
 

@@ -19,6 +19,7 @@ done
 if [ "$all" -eq 1 ]; then select=(); fi
 # the real Prometheus the monitoring tests start on loopback (idempotent; apt-get as root)
 bash scripts/install_prometheus.sh
+bash scripts/install_chromium.sh  # the headless browser and its WebDriver for the run viewer's browser test
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${AAR_VENV:-.venv}/bin/activate"
