@@ -1,11 +1,17 @@
-"""What a run says and writes as it goes: the console lines (``RunLog.say``), the JSON-lines files of the run folder
-(``RunLog.write``), the per-step learning signals (``LearningSignals``) and the closing lines of a finished run."""
+"""What a run says and writes as it goes: the console lines (``RunLog.say``; each in words, never a raw Python
+structure), the JSON-lines files of the run folder (``RunLog.write``), the per-step learning signals
+(``LearningSignals``), the start lines and the closing lines of a finished run; and where everything else goes
+(``logs_to_file``: library, engine and Ray logs to the run's log file, the terminal keeping the run's own lines).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from async_agent_rl.stats import BufferStats, LearnerStats, LearningStats, RolloutStats, RunTotals
 
@@ -27,6 +33,81 @@ class RunLog:
     def say(self, text: str) -> None:
         if not self.quiet:
             print(text, flush=True)
+
+
+@contextmanager
+def logs_to_file(path: Path) -> Iterator[None]:
+    """For the run: library and engine logs (INFO and up) go to ``path``; the terminal keeps the run's own lines
+    (``RunLog.say``) and warnings. Ray's driver-side logger (its own console handler, not propagated) goes to the
+    file too and keeps only errors on the terminal. Progress bars of transformers are turned off. What the run says
+    on the terminal itself (a ``[fault]`` or ``[warn]`` line) it logs at INFO, so the file has it and the terminal
+    does not show it twice."""
+    def consoles(logger: logging.Logger) -> list[tuple[logging.Handler, int]]:
+        return [(h, h.level) for h in logger.handlers if isinstance(h, logging.StreamHandler)
+                and not isinstance(h, logging.FileHandler)]
+
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root, ray_logger = logging.getLogger(), logging.getLogger("ray")
+    handler, ray_handler = logging.FileHandler(path), logging.FileHandler(path)
+    for h in (handler, ray_handler):
+        h.setFormatter(fmt)
+        h.setLevel(logging.DEBUG if root.level <= logging.DEBUG else logging.INFO)
+    quieted = [(h, old, logging.WARNING) for h, old in consoles(root)]
+    quieted += [(h, old, logging.ERROR) for h, old in consoles(ray_logger)]
+    level = root.level
+    for h, _, floor in quieted:
+        h.setLevel(max(h.level, floor))
+    root.addHandler(handler)
+    ray_logger.addHandler(ray_handler)
+    root.setLevel(min(level, logging.INFO) if level else logging.INFO)
+    progress_bars(False)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        ray_logger.removeHandler(ray_handler)
+        handler.close()
+        ray_handler.close()
+        root.setLevel(level)
+        for h, old, _ in quieted:
+            h.setLevel(old)
+        progress_bars(True)
+
+
+def progress_bars(on: bool) -> None:
+    """Turn the progress bars of Hugging Face's libraries on or off, without importing transformers (seconds of a
+    run's start): it reads the hub's setting when it is imported, and its own switch is set if it was."""
+    from huggingface_hub import utils as hub
+
+    (hub.enable_progress_bars if on else hub.disable_progress_bars)()
+    loaded = sys.modules.get("transformers.utils.logging")
+    if loaded is not None:
+        (loaded.enable_progress_bar if on else loaded.disable_progress_bar)()
+
+
+def start_lines(num_ranks: int, rollout: Sequence[dict]) -> list[str]:
+    """The ``[start]`` lines of the replay buffer, the learner and each rollout actor (``rollout``: what each
+    actor's ``setup`` reported: its index, node, training questions and the rows and questions it skipped)."""
+    lines = ["[start] replay buffer", f"[start] learner: {num_ranks} rank{'s' if num_ranks != 1 else ''}"]
+    for info in rollout:
+        where = f" on node {info['node']}" if info.get("node") else ""
+        skipped = [f"{n:,} bad row{'s' if n != 1 else ''} skipped (data.on_bad_row)" for n in [info.get("skipped_rows", 0)] if n]
+        skipped += [f"{n:,} question{'s' if n != 1 else ''} longer than data.max_prompt_length skipped"
+                    for n in [info.get("skipped_too_long", 0)] if n]
+        lines.append(f"[start] rollout actor {info['index']}{where}: {info['examples']:,} questions"
+                     + "".join(f"; {s}" for s in skipped))
+    return lines
+
+
+def wait_line(seconds: float, buffer: BufferStats) -> str:
+    """The line said once a minute while the learner gets no batch: why, in the buffer's and admission's counts."""
+    a = buffer.admission
+    oldest = f"the oldest open at version {a.oldest_open_version}" if a.groups_open else "none open"
+    return (f"[wait] no batch for {seconds:.0f} s: buffer size {buffer.size}, ready groups {buffer.ready_groups}, "
+            f"pending {buffer.pending_groups}, evicted {buffer.evicted}; admission: {a.started} episodes started "
+            f"({a.accepted} accepted, {a.rejected} rejected, {a.evicted} evicted), {a.running} running; "
+            f"{a.groups_started} groups started ({a.groups_consumed} consumed, {a.groups_dropped} dropped, "
+            f"{a.groups_open} open, {oldest})")
 
 
 def duration(seconds: float) -> str:

@@ -1,7 +1,10 @@
 """Evaluations beside training (``eval.beside``): the RL loop does not wait for them.
 
-An evaluation due every ``eval.every_steps`` learner steps normally runs on rollout actor 0 while the loop waits
-(``Trainer.evaluate``). Beside training it runs on an engine of its own, the *evaluator* (a rollout actor asked for
+``Evaluations`` says when the held-out evaluations run and where: at the start of a fresh run (``eval.at_start``)
+and at the end (``eval.at_end``) on rollout actor 0, waited for; every ``eval.every_steps`` learner steps (the last
+step's is the end's) on rollout actor 0 while the loop waits, or beside training with ``eval.beside``.
+
+An evaluation due every ``eval.every_steps`` learner steps normally runs on rollout actor 0 while the loop waits. Beside training it runs on an engine of its own, the *evaluator* (a rollout actor asked for
 the same resources, never given training episodes): ``start`` hands it the learner's weights of that step and their
 policy version in one call (``RolloutActor.evaluate_weights``: load, then greedy episodes on the held-out
 questions), so the whole evaluation measures one frozen version while the rollout actors and the learner go on.
@@ -23,7 +26,8 @@ from typing import Any, Callable
 import ray
 
 from async_agent_rl.config import Config
-from driver.limits import REPORT_TIMEOUT_S, cause, eval_limit_s
+from driver.limits import REPORT_TIMEOUT_S, ask, cause, eval_limit_s
+from driver.stops import StopRequests
 
 
 @dataclass
@@ -112,3 +116,56 @@ class EvaluationBeside:
 
     def summary(self) -> dict:
         return {"evals_beside": self.finished, "evals_skipped": self.skipped, "evaluator_failed": self.failed}
+
+
+class Evaluations:
+    """When the held-out evaluations run and where (see the module docstring). ``record(rec, step)``: what records
+    a finished evaluation at the learner's ``step`` (``driver.records.Records.eval``); ``beside``: the evaluations
+    beside training, once the evaluator has started (None without ``eval.beside``)."""
+
+    def __init__(self, cfg: Config, record: Callable[[dict | None, int], None]):
+        self.cfg, self.record = cfg, record
+        self.beside: EvaluationBeside | None = None
+
+    def waited(self, actor: Any, when: str, step: int, version: int) -> dict:
+        """An evaluation on rollout actor ``actor`` (actor 0), waited for within its limit, and recorded."""
+        cfg, t = self.cfg, time.monotonic()
+        scores = ask(actor.evaluate.remote(cfg.data.test_files, cfg.eval.num_questions), eval_limit_s(cfg),
+                     f"rollout actor 0 (the evaluation at {when})", key="")
+        rec = {"when": when, "step": step, "version": version, "seconds": time.monotonic() - t, **scores}
+        self.record(rec, step)
+        return rec
+
+    def after_step(self, step: int, versions: Any, actor: Any, stops: StopRequests) -> None:
+        """After learner step ``step``: the evaluation due at it, if any (beside training, or on rollout ``actor``
+        0 while the loop waits, a stop request honoured after it); then the one beside training, once it is done."""
+        every = self.cfg.eval.every_steps
+        if every and step % every == 0 and step < self.cfg.learner.total_steps:
+            if self.beside is not None:
+                self.evaluate_beside(step, versions)
+            else:
+                self.waited(actor, f"step {step}", step, versions.version)
+                stops.check()
+        if self.beside is not None:
+            self.record(self.beside.poll(), step)
+
+    def evaluate_beside(self, step: int, versions: Any) -> None:
+        """The evaluation of ``step`` on the evaluator, not waited for: the learner's weights of this step (on the
+        object-store path, the ones just published when this step published), tagged with their policy version when
+        they were published as one (``versions``: the run's ``PolicyVersions``)."""
+        if not self.beside.can_start(step):  # skipped before any weights are taken
+            return
+        published = versions.published_step == step
+        weights = versions.weights_ref if published and versions.weights_ref is not None else \
+            versions.learner.state_dict_ref()
+        self.beside.start(step, versions.version if published else None, weights)
+
+    def finish(self, step: int, stops: StopRequests) -> None:
+        """At the end of training: the evaluation still running beside it, waited for and recorded (a stop request
+        ends the wait, and is honoured)."""
+        if self.beside is not None:
+            self.record(self.beside.finish(stopping=lambda: stops.signal is not None), step)
+            stops.check()
+
+    def summary(self) -> dict | None:
+        return self.beside.summary() if self.beside is not None else None

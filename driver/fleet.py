@@ -13,7 +13,7 @@ cluster has room for what it asks (``cluster.rollout_*``); when the live nodes c
 actors for ``NO_ROOM_S``, it is given up (``retire``) and the run goes on with the others, said in one ``[fault]``
 line; the publisher stops sending to it. With none left, the run ends in one ``error:`` line.
 
-``Fleet.stall_report`` is the one line a stalled run ends with (``stall_message``): which component is blocked
+``Fleet.stop`` stops the rollouts at the end of a run. ``Fleet.stall_report`` is the one line a stalled run ends with (``stall_message``): which component is blocked
 (``blocked_component``, one of ``BLAMED``) and the state of every component.
 """
 
@@ -229,6 +229,28 @@ class Fleet:
         if prev is None or prev[0] != stats.incarnation or stats.pushed > prev[1]:
             when = time.monotonic() if stats.pushed > 0 else (prev[2] if prev else None)
             self._pushes[i] = (stats.incarnation, stats.pushed, when)
+
+    def stop(self, limit: float) -> list[RolloutStats]:
+        """Every rollout actor stops starting episodes and finishes and pushes its in-flight ones within ``limit``
+        seconds (``driver.limits.stop_s``); one that takes longer is left to Ray's shutdown (its in-flight episodes
+        are dropped, said in one line) and its last stats stand for it: a run whose steps are done never ends in
+        error because stopping took long."""
+        active = self.active
+        refs = [a.stop.remote(limit) for _, a in active]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=limit + self.cfg.cluster.actor_timeout_s)
+        out = []
+        for (i, _), ref in zip(active, refs):
+            try:
+                out.append(ray.get(ref, timeout=REPORT_TIMEOUT_S) if ref in ready else None)
+            except ray.exceptions.RayError as e:
+                self.say(f"[warn] rollout actor {i} failed while stopping ({cause(e)}); its last stats stand")
+                out.append(None)
+                continue
+            if out[-1] is None:
+                self.say(f"[warn] rollout actor {i} did not stop within {limit:.0f} s; its in-flight episodes "
+                         "are dropped and its last stats stand")
+        last = {s.index: s for s in self.last_stats}
+        return [s if s is not None else last[i] for (i, _), s in zip(active, out) if s is not None or i in last]
 
     # ------------------------------------------------------------------------------------------------ stall report
     def stall_report(self, *, step: int, waited: float, limit: float, learner: str, checkpoint: Callable[[], str] | None,

@@ -13,6 +13,8 @@ weights on the object-store path, and the publisher. Everything that changes the
 - ``restored(step, version)``: a resumed run starts from its checkpoint's step and version;
 - ``retired(actor)``: a rollout actor the run gave up gets no more publishes.
 
+The learner's newest step is ``learner_step``: the driver keeps no other copy of it.
+
 A publish that fails is reported on the console; ``PUBLISH_FAILURES_FATAL`` failures in a row end the run.
 """
 
@@ -83,7 +85,7 @@ class PolicyVersions:
             self.publish_failures += 1
             why = cause(e)
             msg = f"weight publish of version {self.version} failed ({self.publish_failures} in a row): {why}"
-            log.warning(msg)
+            log.info(msg)  # the log file's copy: the terminal has the [fault] line
             self.say(f"[fault] {msg}")
             if self.publish_failures >= PUBLISH_FAILURES_FATAL:
                 raise RunFailed(f"weight publish failed {self.publish_failures} times in a row (the engines keep older "
@@ -92,6 +94,14 @@ class PolicyVersions:
         self.publish_failures = 0
         self.last_publish = (self.version, time.monotonic())
         return stats
+
+    def close(self) -> None:
+        """The learner's side of the collective path's group, released before Ray shuts down (a learner that is
+        already gone has nothing left to release)."""
+        try:
+            self.publisher.close()
+        except ray.exceptions.RayError:
+            pass
 
     def retired(self, actor: Any) -> None:
         """A rollout actor the run gave up (``Fleet.retire``): no publish goes to it any more."""

@@ -94,7 +94,7 @@ def test_a_resume_trains_what_was_ready_regenerates_what_was_in_flight_and_keeps
                 break
             time.sleep(0.05)
         path = checkpoint()
-        first.stop_signal = signal.SIGTERM  # as a SIGTERM would: the run stops at the next safe point, now
+        first.stops.signal = signal.SIGTERM  # as a SIGTERM would: the run stops at the next safe point, now
         return path
 
     first.checkpoint = checkpoint_then_stop

@@ -289,8 +289,9 @@ def test_a_buffer_that_stopped_answering_ends_a_checkpoint_in_one_error_line_and
     episodes), so a stopped buffer could hold the run past its watchdog."""
     cfg = load_config(None, ["cluster.actor_timeout_s=3"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
-    trainer.mon, trainer.buffer, trainer.learner, trainer.step = None, StoppedBuffer.remote(), SavesCheckpoint(), 2
+    trainer.mon, trainer.buffer, trainer.learner = None, StoppedBuffer.remote(), SavesCheckpoint()
     trainer.versions = PolicyVersions(cfg, trainer.learner, None, say(True))
+    trainer.versions.learner_step = 2
     trainer.fleet = Fleet(cfg, say(True), trainer.buffer, [], trainer.versions)
     t0 = time.monotonic()
     with pytest.raises(RunFailed) as err:
@@ -324,8 +325,9 @@ class IdleBuffer:
 def stalled_trainer(tmp_path, learner) -> Trainer:
     cfg = load_config(None, ["cluster.progress_timeout_s=1"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
-    trainer.mon, trainer.buffer, trainer.learner, trainer.step = None, IdleBuffer.remote(), learner, 1
+    trainer.mon, trainer.buffer, trainer.learner = None, IdleBuffer.remote(), learner
     trainer.versions = PolicyVersions(cfg, learner, None, say(True))
+    trainer.versions.learner_step = 1
     trainer.fleet = Fleet(cfg, say(True), trainer.buffer, [], trainer.versions)
     trainer.watchdog.waiting()
     time.sleep(1.5)
@@ -355,13 +357,13 @@ def test_a_no_batch_answer_still_on_its_way_when_the_watchdog_fires_is_not_repor
 def test_learner_ranks_ray_cannot_place_end_the_start_in_one_error_line_in_time(tmp_path):
     """The learner group's start waited for its ranks with no limit: ranks asking for more CPUs than the cluster has
     left the run waiting forever, saying nothing."""
+    from driver.start import started
     from learner.actor import create_learner_group
 
     cfg = load_config(None, ["cluster.learner_cpus=64", "cluster.actor_setup_timeout_s=3"])
-    trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
     t0 = time.monotonic()
     with pytest.raises(RunFailed) as err:
-        trainer._started(lambda: create_learner_group(cfg))
+        started(cfg, lambda: create_learner_group(cfg))
     assert time.monotonic() - t0 < 15
     assert error_line(err.value) == (
         "error: the 1 learner actor(s) were not started within cluster.actor_setup_timeout_s=3 s (each asks Ray for "
@@ -385,9 +387,10 @@ def test_a_learner_that_stopped_during_a_checkpoint_ends_the_run_in_one_error_li
 
     cfg = load_config(None, ["cluster.actor_timeout_s=3", "cluster.actor_setup_timeout_s=4"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=True)
-    trainer.mon, trainer.buffer, trainer.step = None, IdleBuffer.remote(), 2
+    trainer.mon, trainer.buffer = None, IdleBuffer.remote()
     trainer.learner = LearnerGroup([StoppedLearnerRank.remote()], 3, 4)
     trainer.versions = PolicyVersions(cfg, trainer.learner, None, say(True))
+    trainer.versions.learner_step = 2
     trainer.fleet = Fleet(cfg, say(True), trainer.buffer, [], trainer.versions)
     t0 = time.monotonic()
     with pytest.raises(LearnerTimeout) as err:
@@ -422,11 +425,11 @@ def test_a_stopped_learner_on_the_drivers_own_node_is_not_waited_for_as_a_lost_n
     trainer.buffer = IdleBuffer.remote()
     trainer.learner = LearnerGroup([StoppedRank.remote()], 3, 4)
     ray.get([trainer.buffer.stats.remote(), trainer.learner.actors[0].placed.remote()])  # both placed on their node
-    trainer._note_core_nodes()
-    assert set(trainer._core_nodes) == {ray.get_runtime_context().get_node_id()}, trainer._core_nodes
+    trainer.nodes.note(trainer.buffer, trainer.learner)
+    assert set(trainer.nodes.held) == {ray.get_runtime_context().get_node_id()}, trainer.nodes.held
     t0 = time.monotonic()
     with pytest.raises(LearnerTimeout):
-        with trainer._core_node_loss():
+        with trainer.nodes.watch(lambda: trainer.step):
             raise LearnerTimeout("the learner (bump_version) did not answer")
     assert time.monotonic() - t0 < 5
 
@@ -446,7 +449,7 @@ def test_a_finished_run_whose_actor_is_slow_to_stop_goes_on_with_its_last_stats(
     cfg = load_config(None, ["cluster.actor_timeout_s=2", "rollout.max_response_length=16", "rollout.max_obs_length=16",
                              "rollout.max_tokens_per_turn=16", "rollout.group_size=2",
                              "learner.batch_size=4", "learner.mini_batch_size=4", "learner.micro_batch_size=4"])
-    fleet = supervised(cfg, tmp_path, SlowToStop)
+    fleet = supervised(cfg, tmp_path, SlowToStop, quiet=False)  # the fleet says the stop's lines
     ray.get(fleet.actors[0].setup.remote())
     last = fleet.supervise()
     trainer = Trainer(cfg, run_dir=tmp_path / "run", quiet=False)

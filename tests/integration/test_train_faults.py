@@ -78,21 +78,21 @@ def test_killed_rollout_actor_is_restarted_and_training_finishes_with_evaluation
             time.sleep(0.2)
 
     frozen: dict = {}
-    evaluate_beside, train_step = trainer.evaluate_beside, trainer.train_step
+    evaluate_beside, train_step = trainer.evaluations.evaluate_beside, trainer.train_step
 
-    def freeze_then_evaluate() -> None:
+    def freeze_then_evaluate(*args) -> None:
         if not frozen:  # the first evaluation beside training: its engine frozen before it gets the work
-            frozen["pid"] = ray.get(trainer.beside.evaluator.stats.remote(), timeout=60).pid
+            frozen["pid"] = ray.get(trainer.evaluations.beside.evaluator.stats.remote(), timeout=60).pid
             os.kill(frozen["pid"], signal.SIGSTOP)
             frozen["step"] = trainer.step
-        evaluate_beside()
+        evaluate_beside(*args)
 
     def step_then_thaw(t0: float) -> None:
         train_step(t0)
         if frozen and trainer.step == THAW_AFTER_STEP:
             os.kill(frozen["pid"], signal.SIGCONT)
 
-    trainer.evaluate_beside, trainer.train_step = freeze_then_evaluate, step_then_thaw
+    trainer.evaluations.evaluate_beside, trainer.train_step = freeze_then_evaluate, step_then_thaw
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     try:

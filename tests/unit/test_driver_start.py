@@ -26,7 +26,7 @@ def test_importing_the_train_driver_does_not_import_transformers():
 def test_progress_bars_go_off_for_a_run_and_back_on_after_it_whether_transformers_is_loaded_or_not():
     code = """
 import sys
-from driver.train import _progress_bars
+from driver.console import progress_bars as _progress_bars
 from huggingface_hub import utils as hub
 _progress_bars(False)
 import transformers.utils.logging as tl  # loaded during the run: it reads the hub's switch

@@ -98,7 +98,7 @@ def held(s):
 
 
 def test_a_restore_keeps_every_count_and_hands_back_the_groups_in_flight_and_the_positions(tmp_path):
-    from driver.train import kept_line
+    from driver.restore import kept_line
 
     old = busy(make())
     before = old.stats()
@@ -150,7 +150,7 @@ def test_an_actor_lost_before_it_took_up_its_groups_loses_them_as_any_in_flight(
 
 
 def test_a_group_admitted_without_its_prompt_counts_its_running_members_rejected_as_before(tmp_path):
-    from driver.train import kept_line
+    from driver.restore import kept_line
 
     old = make()
     assert old.try_start(G, 0, "x", "actor0") == G  # no prompt given: nothing to generate again
@@ -163,7 +163,7 @@ def test_a_group_admitted_without_its_prompt_counts_its_running_members_rejected
 
 
 def test_a_snapshot_of_an_older_version_resumes_with_nothing_taken_up_said_once(tmp_path):
-    from driver.train import kept_line
+    from driver.restore import kept_line
 
     old = busy(make())
     path = tmp_path / "old.snap"
@@ -180,7 +180,7 @@ def test_a_snapshot_of_an_older_version_resumes_with_nothing_taken_up_said_once(
 
 
 def test_the_resume_line_names_only_what_the_checkpoint_did_not_record():
-    from driver.train import kept_line
+    from driver.restore import kept_line
 
     line = kept_line({"recorded": True, "cursors_recorded": False, "groups": 2, "episodes": 3})
     assert line.startswith("[resume] the checkpoint did not record the prompt stream positions (an older")
@@ -285,7 +285,7 @@ def shell(buffer, source) -> RolloutActor:
 
 
 def test_the_actor_shell_restores_its_stream_and_hands_the_groups_to_its_worker():
-    from driver.train import taken_up_lines
+    from driver.restore import taken_up_lines
 
     source = PromptSource(EXAMPLES, seed=1)
     cursor = {"epoch": 1, "index": 3, "last": reference_stream(EXAMPLES, 0, 1, 1, 13)[-1]}
