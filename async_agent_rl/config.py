@@ -322,8 +322,19 @@ class AlgorithmConfig(_Section):
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
     dual_clip_c: Optional[float] = Field(3.0, gt=1.0, description="dual-clip constant for A<0, > 1 (None disables)")
-    behavior_weight_mode: Literal["truncate", "mask"] = "truncate"
+    behavior_weight_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="behavior weights above behavior_weight_cap: truncate to the cap, or mask (weight 0)")
     behavior_weight_cap: float = Field(2.0, gt=1.0)
+    behavior_weight_level: Literal["token", "sequence", "turn"] = Field(
+        "token", description="what one behavior weight covers (docs/ALGORITHMS.md section 3): token exp(proximal - "
+        "behavior); sequence: the geometric mean over the sequence's sampled tokens, for all its tokens; turn: the "
+        "same per assistant turn. The cap (behavior_weight_mode) applies to that weight")
+    icepop_band: Optional[tuple[float, float]] = Field(
+        None, description="[low, high] with 0 <= low < 1 < high: tokens whose own behavior weight lies outside it get "
+        "weight 0 (IcePop); null: off")
+    behavior_weight_floor: Optional[float] = Field(
+        None, gt=0, lt=1, description="a sequence with any sampled token's behavior weight below this gets weight 0 "
+        "(floor veto); null: off")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
@@ -333,6 +344,13 @@ class AlgorithmConfig(_Section):
     vf_coef: float = Field(0.5, ge=0)
     value_clip: float = Field(0.2, ge=0)
     mask_observations: bool = Field(True, description="observation tokens take no loss (Search-R1's ablation knob)")
+
+    @field_validator("icepop_band")
+    @classmethod
+    def _icepop_band(cls, v: Optional[tuple[float, float]]) -> Optional[tuple[float, float]]:
+        if v is not None and not 0 <= v[0] < 1 < v[1]:
+            raise ValueError(f"needs [low, high] with 0 <= low < 1 < high, got [{v[0]}, {v[1]}]")
+        return v
 
 
 class RewardTerm(_Section):

@@ -269,6 +269,17 @@ class LearnerStats:
     iw_mean: Optional[float] = None
     iw_max: Optional[float] = None
     iw_capped_frac: Optional[float] = None
+    iw_capped_seq_frac: Optional[float] = None
+    icepop_masked_frac: Optional[float] = None
+    floor_veto_frac: Optional[float] = None
+    floor_veto_seq_frac: Optional[float] = None
+    mismatch_kl_fresh: Optional[float] = None
+    mismatch_abs_logprob_fresh: Optional[float] = None
+    mismatch_kl_stale: Optional[float] = None
+    mismatch_abs_logprob_stale: Optional[float] = None
+    seq_log_ratio_mean: Optional[float] = None
+    seq_log_ratio_max: Optional[float] = None
+    fresh_token_fraction: Optional[float] = None
     grad_norm: Optional[float] = None
     critic_grad_norm: Optional[float] = None
     extra: dict[str, float] = field(default_factory=dict)
@@ -347,6 +358,29 @@ LEARNER_METRICS: tuple[LearnerMetric, ...] = (
                   "aar_learner_importance_weight_max"),
     LearnerMetric("iw_capped_frac", "fraction of loss tokens whose importance weight was truncated or masked "
                   "(decoupled_ppo)", "", "aar_learner_importance_weight_capped_fraction"),
+    LearnerMetric("iw_capped_seq_frac", "fraction of sequences with a loss token whose importance weight was "
+                  "truncated or masked (decoupled_ppo)", "", "aar_learner_importance_weight_capped_sequence_fraction"),
+    LearnerMetric("icepop_masked_frac", "fraction of loss tokens masked by the IcePop band (algorithm.icepop_band "
+                  "set)", "", "aar_learner_icepop_masked_fraction"),
+    LearnerMetric("floor_veto_frac", "fraction of loss tokens in sequences vetoed by the floor "
+                  "(algorithm.behavior_weight_floor set)", "", "aar_learner_floor_veto_fraction"),
+    LearnerMetric("floor_veto_seq_frac", "fraction of sequences vetoed by the floor (algorithm.behavior_weight_floor "
+                  "set)", "", "aar_learner_floor_veto_sequence_fraction"),
+    LearnerMetric("mismatch_kl_fresh", "KL(behavior || proximal) by k3 over fresh tokens (sampled by the weights the "
+                  "learner holds): engine/trainer mismatch alone (absent without fresh tokens)", "nats",
+                  "aar_learner_mismatch_kl_fresh"),
+    LearnerMetric("mismatch_abs_logprob_fresh", "mean |proximal - behavior| log-prob over fresh tokens: engine/trainer "
+                  "mismatch alone", "nats", "aar_learner_mismatch_abs_logprob_fresh"),
+    LearnerMetric("mismatch_kl_stale", "KL(behavior || proximal) by k3 over stale tokens: staleness plus mismatch "
+                  "(absent without stale tokens)", "nats", "aar_learner_mismatch_kl_stale"),
+    LearnerMetric("mismatch_abs_logprob_stale", "mean |proximal - behavior| log-prob over stale tokens", "nats",
+                  "aar_learner_mismatch_abs_logprob_stale"),
+    LearnerMetric("seq_log_ratio_mean", "mean over sequences of sum(proximal - behavior) over their sampled tokens "
+                  "(log of the sequence importance ratio)", "nats", "aar_learner_seq_log_ratio_mean"),
+    LearnerMetric("seq_log_ratio_max", "largest |sequence log importance ratio| of the batch", "nats",
+                  "aar_learner_seq_log_ratio_max"),
+    LearnerMetric("fresh_token_fraction", "fraction of sampled tokens that are fresh (their version is the proximal "
+                  "policy's)", "", "aar_learner_fresh_token_fraction"),
     LearnerMetric("grad_norm", "policy gradient norm before clipping, mean over the step's optimizer updates", "",
                   "aar_learner_grad_norm"),
     LearnerMetric("critic_grad_norm", "critic gradient norm before clipping (gae only)", "",

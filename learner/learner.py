@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from async_agent_rl.algorithms import (
+    MISMATCH_METRICS,
     agg_loss,
     clipped_value_loss,
     compute_advantages,
@@ -74,6 +75,7 @@ from async_agent_rl.algorithms import (
     get_policy_loss,
     kl_penalty,
     masked_mean,
+    mismatch_metrics,
     place_outcome_rewards,
 )
 from async_agent_rl.batch import TrainBatch
@@ -84,7 +86,9 @@ from async_agent_rl.net import free_port
 from async_agent_rl.staleness import staleness
 from async_agent_rl.stats import LearnerStats
 
-MAX_METRICS = ("iw_max",)  # reduced by max over micro-batches; every other metric by a unit-weighted mean
+MAX_METRICS = ("iw_max", "seq_log_ratio_max")  # reduced by max over parts; every other metric by a weighted mean
+# fractions of sequences: weighted by the sequences with a loss token of each micro-batch (others by its loss units)
+SEQUENCE_METRICS = ("iw_capped_seq_frac", "floor_veto_seq_frac")
 
 
 class NonFiniteError(FloatingPointError):
@@ -247,7 +251,8 @@ class _Targets:
 
 
 class _Metrics:
-    """Unit-weighted means over micro-batches (maxima for ``MAX_METRICS``)."""
+    """Weighted means over parts (micro-batches, or a step's rows by count; maxima for ``MAX_METRICS``). A key added
+    only with weight 0 has no value: ``weight(key)`` is then 0 and ``result`` gives 0.0 for it."""
 
     def __init__(self) -> None:
         self._sum: dict[str, float] = {}
@@ -256,9 +261,13 @@ class _Metrics:
     def add(self, values: dict[str, Any], weight: float = 1.0) -> None:
         for key, value in values.items():
             value = float(value)
-            if key in MAX_METRICS:
-                self._sum[key] = max(self._sum.get(key, value), value)
-                self._weight[key] = 1.0
+            if key in MAX_METRICS:  # the key is kept with weight 0, so every rank holds the same keys
+                if weight > 0:
+                    self._sum[key] = max(self._sum.get(key, value), value)
+                    self._weight[key] = 1.0
+                else:
+                    self._sum.setdefault(key, float("-inf"))
+                    self._weight.setdefault(key, 0.0)
             else:
                 self._sum[key] = self._sum.get(key, 0.0) + weight * value
                 self._weight[key] = self._weight.get(key, 0.0) + weight
@@ -278,10 +287,13 @@ class _Metrics:
             for k, (total, weight) in zip(means, t.tolist()):
                 self._sum[k], self._weight[k] = total, weight
         if maxes:
-            t = torch.tensor([self._sum[k] for k in maxes], dtype=torch.float64, device=device)
+            t = torch.tensor([[self._sum[k], self._weight[k]] for k in maxes], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            for k, value in zip(maxes, t.tolist()):
-                self._sum[k] = value
+            for k, (value, weight) in zip(maxes, t.tolist()):
+                self._sum[k], self._weight[k] = value, weight
+
+    def weight(self, key: str) -> float:
+        return self._weight.get(key, 0.0)
 
     def result(self) -> dict[str, float]:
         return {k: self._sum[k] / self._weight[k] if self._weight[k] else 0.0 for k in self._sum}
@@ -334,6 +346,7 @@ class Learner:
         self.model_path = cfg.model.path
         self.step = 0
         self.version = 0
+        self._weights_of = (0, 0)  # (step, version): the step whose weights were published as that version
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.policy_loss = get_policy_loss(alg.policy_loss)
         # the behavior-anchored ppo needs no proximal pass, unless observations (never sampled) take the loss
@@ -436,6 +449,7 @@ class Learner:
         targets = self._targets(w, batch.real_rows)
         lr = self._set_lr()
         metrics = _Metrics()
+        self._mismatch(w, targets, metrics)
         for epoch in range(lc.ppo_epochs):
             for mini in self._mini_batches(w, epoch):
                 self._train_mini_batch(w, mini, targets, metrics)
@@ -443,6 +457,9 @@ class Learner:
         metrics.all_reduce(self.world_size, self.device)  # the whole batch's metrics on every rank, not this rank's rows
         out = self._step_metrics(metrics, w, targets, lr, time.perf_counter() - t0, batch.min_versions(),
                                  batch.real_rows)
+        for key in MISMATCH_METRICS:  # over no token (no fresh one, no stale one): not computed, rather than a false 0
+            if key in out and not metrics.weight(key):
+                del out[key]
         checked = ("policy_loss", "grad_norm", "value_loss", "critic_grad_norm")
         require_finite(self.step, "loss or gradient norm", ((k, out[k]) for k in checked if k in out))
         stats = LearnerStats.from_dict(out)
@@ -481,6 +498,30 @@ class Learner:
             advantages = torch.cat([advantages, advantages.new_zeros(B - real, advantages.shape[1])])
             returns = torch.cat([returns, returns.new_zeros(B - real, returns.shape[1])])
         return _Targets(behavior_logprobs, proximal_logprobs, ref_logprobs, advantages, returns, values)
+
+    def proximal_version(self) -> Optional[int]:
+        """The policy version whose weights the learner holds now (the proximal policy's), or None when they have
+        moved since they were published (``weight_sync.every_steps > 1``: no engine ever ran them). A version set by
+        a checkpoint restore (``learner.checkpoint`` sets ``step`` and ``version``) counts as published at the
+        restored step: a resumed run starts its engines from the checkpoint's policy (``driver.versions``)."""
+        step, version = self._weights_of
+        if version != self.version:
+            self._weights_of = step, version = self.step, self.version
+        return self.version if step == self.step else None
+
+    def _mismatch(self, w: _Window, t: _Targets, metrics: _Metrics) -> None:
+        """Engine/trainer mismatch apart from staleness (``algorithms.mismatch``) over this rank's rows, added to
+        ``metrics`` weighted by their counts (``all_reduce`` then makes them the whole batch's). Sampled tokens only:
+        an unmasked observation was never sampled. Nothing without a proximal pass (plain ``ppo``)."""
+        if t.proximal_logprobs is None:
+            return
+        own = torch.arange(self.rank, w.mask.shape[0], self.world_size, device=self.device)
+        version = self.proximal_version()
+        sampled = w.generated[own]
+        fresh = w.versions[own] == version if version is not None else torch.zeros_like(sampled)
+        values, counts = mismatch_metrics(t.proximal_logprobs[own], t.behavior_logprobs[own], sampled, fresh)
+        for key, value in values.items():
+            metrics.add({key: value}, weight=counts[key])
 
     def _set_lr(self) -> float:
         lc = self.cfg.learner
@@ -541,7 +582,10 @@ class Learner:
         scale = len(micro_batches) * self.world_size / max(mini_units, 1.0)
         for rows in micro_batches:
             units = self._units(w, rows)
-            metrics.add(self._policy_micro_step(w, rows, t, units * scale), weight=units)
+            out = self._policy_micro_step(w, rows, t, units * scale)
+            sequences = float((w.mask[rows].sum(dim=1) > 0).sum())
+            metrics.add({k: out.pop(k) for k in SEQUENCE_METRICS if k in out}, weight=sequences)
+            metrics.add(out, weight=units)
             if self.critic is not None:
                 metrics.add(self._critic_micro_step(w, rows, t, units * scale), weight=units)
             for name, engine in (("grad_norm", self.policy), ("critic_grad_norm", self.critic)):
@@ -559,7 +603,9 @@ class Learner:
             logprobs, cut.proximal_logprobs, cut.behavior_logprobs, cut.advantages, mask,
             clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, dual_clip_c=alg.dual_clip_c,
             behavior_weight_mode=alg.behavior_weight_mode, behavior_weight_cap=alg.behavior_weight_cap,
-            loss_agg_mode=alg.loss_agg_mode, horizon=horizon)
+            loss_agg_mode=alg.loss_agg_mode, horizon=horizon, behavior_weight_level=alg.behavior_weight_level,
+            icepop_band=alg.icepop_band, behavior_weight_floor=alg.behavior_weight_floor,
+            turn_index=w.turn_index[rows, :width], sampled_mask=w.generated[rows, :width])
         entropy_term = agg_loss(entropy, mask, alg.loss_agg_mode, horizon=horizon)
         loss = policy_loss - alg.entropy_coef * entropy_term
         out.update(policy_loss=policy_loss.detach(), entropy=entropy_term.detach())
@@ -589,6 +635,7 @@ class Learner:
     def bump_version(self) -> int:
         """Advance the policy version (call on every rank, once per publish); returns the new version."""
         self.version += 1
+        self._weights_of = (self.step, self.version)
         return self.version
 
     def full_parameters(self) -> Iterator[tuple[str, Tensor]]:

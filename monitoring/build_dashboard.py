@@ -7,7 +7,8 @@ Each panel is (title, unit, [(PromQL, legend), ...]). Queries use Grafana's ``$_
 the dashboard variable ``DS_PROMETHEUS`` (pick the Prometheus that scrapes the run, on import or in the variable
 bar). Every query must return data for a real run: ``monitoring.prom.check_dashboard`` runs them all through a
 real Prometheus. So the dashboard only queries what the default configuration computes: reference-policy KL
-(``aar_learner_kl``, only with ``algorithm.kl_coef > 0``) and the critic's metrics (``gae``) have no panel.
+(``aar_learner_kl``, only with ``algorithm.kl_coef > 0``), the critic's metrics (``gae``) and the optional
+corrections' fractions (``algorithm.icepop_band``, ``algorithm.behavior_weight_floor``) have no panel.
 """
 
 from __future__ import annotations
@@ -176,8 +177,20 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
         ("Importance weights", "short", [
             ("aar_learner_importance_weight_mean", "mean"),
             ("aar_learner_importance_weight_max", "max"),
-            ("aar_learner_importance_weight_capped_fraction", "capped fraction"),
+            ("aar_learner_importance_weight_capped_fraction", "capped fraction (tokens)"),
+            ("aar_learner_importance_weight_capped_sequence_fraction", "capped fraction (sequences)"),
             ("aar_learner_clip_fraction", "PPO clip fraction"),
+        ]),
+        ("Engine/trainer mismatch (fresh tokens) vs staleness (stale)", "short", [
+            ("aar_learner_mismatch_kl_fresh", "KL(behavior || proximal), fresh: mismatch alone"),
+            ("aar_learner_mismatch_kl_stale", "KL(behavior || proximal), stale: staleness + mismatch"),
+            ("aar_learner_mismatch_abs_logprob_fresh", "mean |log-prob diff|, fresh"),
+            ("aar_learner_mismatch_abs_logprob_stale", "mean |log-prob diff|, stale"),
+            ("aar_learner_fresh_token_fraction", "fresh share of sampled tokens"),
+        ]),
+        ("Sequence log importance ratio (product drift)", "short", [
+            ("aar_learner_seq_log_ratio_mean", "mean over sequences"),
+            ("aar_learner_seq_log_ratio_max", "largest |log ratio|"),
         ]),
         ("Gradient norm and learning rate", "short", [
             ("aar_learner_grad_norm", "grad norm"),

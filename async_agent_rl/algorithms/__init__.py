@@ -10,12 +10,15 @@ ADVANTAGE_ESTIMATORS       grpo, grpo_no_std, rloo, reinforce_pp, gae          a
 STEPWISE_MODES             none, broadcast, per_step                           algorithm.stepwise_advantage
 POLICY_LOSSES              ppo, decoupled_ppo                                  algorithm.policy_loss
 BEHAVIOR_WEIGHT_MODES      truncate, mask                                      algorithm.behavior_weight_mode
+BEHAVIOR_WEIGHT_LEVELS     token, sequence, turn                               algorithm.behavior_weight_level
 LOSS_AGGREGATORS           token-mean, seq-mean-token-sum, seq-mean-token-     algorithm.loss_agg_mode
                            mean, seq-mean-token-sum-norm
 KL_ESTIMATORS              k1, abs, k2, k3                                     algorithm.kl_estimator
 =========================  ==================================================  =====================================
 
-Each ``get_*(name)`` raises ``UnknownAlgorithmError`` (a ``ValueError``) listing the allowed names.
+``mismatch.mismatch_metrics``: the engine/trainer mismatch of fresh tokens apart from the stale ones' (the
+learner logs it every step). Each ``get_*(name)`` raises ``UnknownAlgorithmError`` (a ``ValueError``) listing the
+allowed names.
 """
 
 from async_agent_rl.algorithms._registry import UnknownAlgorithmError
@@ -44,10 +47,12 @@ from async_agent_rl.algorithms.advantages import (
 )
 from async_agent_rl.algorithms.kl import KL_ESTIMATORS, get_kl_estimator, kl_abs, kl_k1, kl_k2, kl_k3, kl_penalty
 from async_agent_rl.algorithms.losses import (
+    BEHAVIOR_WEIGHT_LEVELS,
     BEHAVIOR_WEIGHT_MODES,
     LOSS_AGGREGATORS,
     POLICY_LOSSES,
     agg_loss,
+    behavior_correction,
     behavior_weight,
     behavior_weight_metrics,
     clipped_value_loss,
@@ -55,23 +60,28 @@ from async_agent_rl.algorithms.losses import (
     entropy_from_logits,
     get_behavior_weight_mode,
     get_policy_loss,
+    level_log_weight,
     mask_behavior_weight,
     ppo_clip_per_token,
     ppo_loss,
     truncate_behavior_weight,
 )
 from async_agent_rl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from async_agent_rl.algorithms.mismatch import MISMATCH_METRICS, mismatch_metrics
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "BEHAVIOR_WEIGHT_LEVELS",
     "BEHAVIOR_WEIGHT_MODES",
     "GROUP_NORMALIZERS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATORS",
+    "MISMATCH_METRICS",
     "POLICY_LOSSES",
     "STEPWISE_MODES",
     "UnknownAlgorithmError",
     "agg_loss",
+    "behavior_correction",
     "behavior_weight",
     "behavior_weight_metrics",
     "clipped_value_loss",
@@ -93,11 +103,13 @@ __all__ = [
     "kl_k2",
     "kl_k3",
     "kl_penalty",
+    "level_log_weight",
     "mask_behavior_weight",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mismatch_metrics",
     "place_outcome_rewards",
     "ppo_clip_per_token",
     "ppo_loss",

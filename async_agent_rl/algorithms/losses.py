@@ -13,8 +13,10 @@ Families, each with one signature and a registry (names as ``AlgorithmConfig``):
 
 - ``POLICY_LOSSES[name](logprobs, proximal_logprobs, behavior_logprobs, advantages, response_mask, *,
   clip_ratio_low, clip_ratio_high, dual_clip_c, behavior_weight_mode, behavior_weight_cap, loss_agg_mode,
-  horizon)`` -> ``(loss, metrics)``: ``ppo``, ``decoupled_ppo``;
+  horizon, behavior_weight_level, icepop_band, behavior_weight_floor, turn_index, sampled_mask)``
+  -> ``(loss, metrics)``: ``ppo``, ``decoupled_ppo``;
 - ``BEHAVIOR_WEIGHT_MODES[name](weight, cap)`` -> ``(weight, affected)``: ``truncate``, ``mask``;
+- ``BEHAVIOR_WEIGHT_LEVELS``: ``token``, ``sequence``, ``turn`` (what one weight covers; ``behavior_correction``);
 - ``LOSS_AGGREGATORS[name](per_token_loss, mask, horizon)`` -> scalar, called through ``agg_loss``.
 
 Metrics are detached 0-dim tensors (call ``.item()`` when logging; no device sync here).
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from async_agent_rl.algorithms._registry import lookup
+from async_agent_rl.algorithms.advantages import turn_index_from_mask
 from async_agent_rl.algorithms.masked import masked_mean, masked_sum
 
 # exp() of a log weight beyond this is only a metric-spoiling inf; the cap acts long before
@@ -193,27 +196,121 @@ def behavior_weight_metrics(raw_weight: Tensor, affected: Tensor, response_mask:
     }
 
 
+BEHAVIOR_WEIGHT_LEVELS: tuple[str, ...] = ("token", "sequence", "turn")
+
+
+def _group_mean(x: Tensor, selected: Tensor, group: Tensor) -> Tensor:
+    """Per row, the mean of ``x`` over the ``selected`` positions of each group, broadcast back to every position
+    of the group; 0 for a group with no selected position. ``group`` ``(B, T)`` long, ``-1`` a group of its own."""
+    idx = group.long() + 1
+    K = int(idx.max()) + 1 if idx.numel() else 1
+    picked = torch.where(selected, x, torch.zeros_like(x))
+    sums = x.new_zeros(x.shape[0], K).scatter_add_(1, idx, picked)
+    counts = x.new_zeros(x.shape[0], K).scatter_add_(1, idx, selected.to(x.dtype))
+    return (sums / counts.clamp(min=1)).gather(1, idx)
+
+
+def level_log_weight(log_weight: Tensor, sampled: Tensor, level: str, turn_index: Optional[Tensor] = None) -> Tensor:
+    """The log behavior weight each position takes at ``level`` (``(B, T)`` -> ``(B, T)``):
+
+    - ``token``: ``log w_t`` itself;
+    - ``sequence``: ``mean_t log w_t`` over the row's sampled tokens (the log of the geometric mean ``W``), at every
+      position of the row;
+    - ``turn``: the same mean over each turn's sampled tokens, at every position of the turn. ``turn_index``
+      numbers the turns (``-1``: no turn); without it a turn is a maximal run of ``sampled`` tokens (an assistant
+      turn between observations).
+    """
+    if level == "token":
+        return log_weight
+    if level == "sequence":
+        group = torch.zeros_like(log_weight, dtype=torch.long)
+    elif level == "turn":
+        if turn_index is None:
+            turn_index = turn_index_from_mask(sampled)
+        group = turn_index
+    else:
+        allowed = ", ".join(repr(k) for k in BEHAVIOR_WEIGHT_LEVELS)
+        raise ValueError(f"unknown behavior weight level {level!r}; allowed: {allowed}")
+    return _group_mean(log_weight, sampled, group)
+
+
+def behavior_correction(proximal_logprobs: Tensor, behavior_logprobs: Tensor, response_mask: Tensor, *,
+                        level: str = "token", mode: str = "truncate", cap: float = 2.0,
+                        icepop_band: Optional[tuple[float, float]] = None, floor: Optional[float] = None,
+                        turn_index: Optional[Tensor] = None, sampled_mask: Optional[Tensor] = None
+                        ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The behavior weight of every loss position, corrected; ``(weight (B, T) detached, metrics)``.
+
+    ``w_t = exp(proximal_t - behavior_t)`` (log clamped to [-20, 20]). Over the *sampled* tokens (``sampled_mask``,
+    default ``response_mask``: unmasked observation tokens were never sampled and do not enter a mean):
+
+    1. level (``level_log_weight``): ``token`` keeps ``w_t``; ``sequence`` gives every position of a row
+       ``W = exp(mean_t log w_t)``, ``turn`` every position of a turn the same over the turn's tokens;
+    2. cap (``BEHAVIOR_WEIGHT_MODES[mode]``): ``truncate`` ``min(W, cap)``; ``mask`` 0 where ``W > cap``;
+    3. IcePop band ``[low, high]`` (None: off): a token whose own ``w_t`` lies outside it gets weight 0;
+    4. floor veto (None: off): every position of a row with any sampled ``w_t < floor`` gets weight 0.
+
+    Metrics (0-dim, detached): those of ``behavior_weight_metrics`` (``iw_capped_frac``: loss tokens the cap
+    changed), ``iw_capped_seq_frac`` (rows with a loss token the cap changed, over rows with a loss token), with a
+    band ``icepop_masked_frac``, with a floor ``floor_veto_frac`` (loss tokens) and ``floor_veto_seq_frac`` (rows).
+    """
+    if not cap > 1.0:
+        raise ValueError(f"behavior_weight_cap must be > 1, got {cap}")
+    if icepop_band is not None and not 0 <= icepop_band[0] < 1 < icepop_band[1]:
+        raise ValueError(f"icepop_band needs 0 <= low < 1 < high, got {list(icepop_band)}")
+    if floor is not None and not 0 < floor < 1:
+        raise ValueError(f"behavior_weight_floor needs 0 < floor < 1, got {floor}")
+    cap_weight = get_behavior_weight_mode(mode)
+    mask = response_mask.bool()
+    sampled = mask if sampled_mask is None else sampled_mask.bool() & mask
+    log_w = _log_ratio(proximal_logprobs.detach(), behavior_logprobs.detach(), sampled)
+    log_w = log_w.clamp(-BEHAVIOR_LOG_WEIGHT_CLAMP, BEHAVIOR_LOG_WEIGHT_CLAMP)
+    raw_weight = log_w.exp()
+    level_weight = level_log_weight(log_w, sampled, level, turn_index).exp()
+    weight, affected = cap_weight(level_weight, cap)
+    affected = affected & mask
+    rows = mask.any(dim=-1)
+    metrics = behavior_weight_metrics(raw_weight, affected, mask)
+    metrics["iw_capped_seq_frac"] = masked_mean(affected.any(dim=-1).float(), rows).detach()
+    if icepop_band is not None:
+        low, high = icepop_band
+        outside = sampled & ((raw_weight < low) | (raw_weight > high))
+        weight = torch.where(outside, torch.zeros_like(weight), weight)
+        metrics["icepop_masked_frac"] = masked_mean(outside.float(), mask).detach()
+    if floor is not None:
+        vetoed = (sampled & (raw_weight < floor)).any(dim=-1)
+        weight = torch.where(vetoed.unsqueeze(-1), torch.zeros_like(weight), weight)
+        metrics["floor_veto_frac"] = masked_mean(vetoed.unsqueeze(-1).expand(mask.shape).float(), mask).detach()
+        metrics["floor_veto_seq_frac"] = masked_mean(vetoed.float(), rows).detach()
+    return weight.detach(), metrics
+
+
 # ---------------------------------------------------------------------------------------------- policy losses
 class PolicyLoss(Protocol):
     def __call__(self, logprobs: Tensor, proximal_logprobs: Optional[Tensor], behavior_logprobs: Tensor,
                  advantages: Tensor, response_mask: Tensor, *, clip_ratio_low: float = 0.2,
                  clip_ratio_high: float = 0.2, dual_clip_c: Optional[float] = 3.0,
                  behavior_weight_mode: str = "truncate", behavior_weight_cap: float = 2.0,
-                 loss_agg_mode: str = "token-mean", horizon: Optional[float] = None
-                 ) -> tuple[Tensor, dict[str, Tensor]]: ...
+                 loss_agg_mode: str = "token-mean", horizon: Optional[float] = None,
+                 behavior_weight_level: str = "token", icepop_band: Optional[tuple[float, float]] = None,
+                 behavior_weight_floor: Optional[float] = None, turn_index: Optional[Tensor] = None,
+                 sampled_mask: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
 def ppo_loss(logprobs: Tensor, proximal_logprobs: Optional[Tensor], behavior_logprobs: Tensor, advantages: Tensor,
              response_mask: Tensor, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
              dual_clip_c: Optional[float] = 3.0, behavior_weight_mode: str = "truncate",
              behavior_weight_cap: float = 2.0, loss_agg_mode: str = "token-mean",
-             horizon: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+             horizon: Optional[float] = None, behavior_weight_level: str = "token",
+             icepop_band: Optional[tuple[float, float]] = None, behavior_weight_floor: Optional[float] = None,
+             turn_index: Optional[Tensor] = None, sampled_mask: Optional[Tensor] = None
+             ) -> tuple[Tensor, dict[str, Tensor]]:
     """Plain PPO: the policy that sampled is the trust-region anchor, ``r = exp(logprobs - behavior_logprobs)``.
 
     ``loss = agg(ppo_clip_per_token(r, A))``. This is the standard (coupled) PPO that AReaL compares against: with
     stale data the anchor is old and clipping stalls learning. It is ``decoupled_ppo_loss`` at zero staleness
-    (``proximal == behavior``); ``proximal_logprobs``, ``behavior_weight_mode`` and ``behavior_weight_cap`` are
-    unused (``proximal_logprobs`` may be None).
+    (``proximal == behavior``); ``proximal_logprobs`` and every ``behavior_weight_*`` argument, ``icepop_band``,
+    ``turn_index`` and ``sampled_mask`` are unused (``proximal_logprobs`` may be None).
     Shapes: log-probs, ``advantages``, ``response_mask`` ``(B, T)`` -> ``(scalar loss, metrics)``; metrics
     ``clip_frac``, ``dual_clip_frac``, ``approx_kl`` (KL(behavior || live), k3).
     """
@@ -230,33 +327,35 @@ def decoupled_ppo_loss(logprobs: Tensor, proximal_logprobs: Optional[Tensor], be
                        advantages: Tensor, response_mask: Tensor, *, clip_ratio_low: float = 0.2,
                        clip_ratio_high: float = 0.2, dual_clip_c: Optional[float] = 3.0,
                        behavior_weight_mode: str = "truncate", behavior_weight_cap: float = 2.0,
-                       loss_agg_mode: str = "token-mean", horizon: Optional[float] = None
-                       ) -> tuple[Tensor, dict[str, Tensor]]:
+                       loss_agg_mode: str = "token-mean", horizon: Optional[float] = None,
+                       behavior_weight_level: str = "token", icepop_band: Optional[tuple[float, float]] = None,
+                       behavior_weight_floor: Optional[float] = None, turn_index: Optional[Tensor] = None,
+                       sampled_mask: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL, Fu et al. 2025): clip around the proximal policy, reweight by the behavior policy.
 
     ``r = exp(logprobs - proximal_logprobs)``, ``L_t = ppo_clip_per_token(r, A)`` (asymmetric clip, dual clip),
-    ``w = exp(proximal_logprobs - behavior_logprobs)`` detached, capped by ``BEHAVIOR_WEIGHT_MODES[mode]``
-    (``truncate``: ``min(w, cap)``; ``mask``: 0 where ``w > cap``), ``loss = agg(w_t * L_t)``.
+    ``w = exp(proximal_logprobs - behavior_logprobs)`` detached, corrected by ``behavior_correction`` at
+    ``behavior_weight_level`` (token, sequence or turn) with ``BEHAVIOR_WEIGHT_MODES[mode]`` (``truncate``:
+    ``min(w, cap)``; ``mask``: 0 where ``w > cap``), an optional IcePop band and floor veto; ``loss = agg(w_t L_t)``.
     With ``behavior == proximal``, ``w = 1`` and this is exactly ``ppo_loss`` (value and gradient).
-    Shapes: log-probs, ``advantages``, ``response_mask`` ``(B, T)`` -> ``(scalar loss, metrics)``; metrics
-    ``clip_frac``, ``dual_clip_frac``, ``approx_kl`` (KL(proximal || live), k3) and those of
-    ``behavior_weight_metrics``.
+    Shapes: log-probs, ``advantages``, ``response_mask``, ``turn_index``, ``sampled_mask`` ``(B, T)`` ->
+    ``(scalar loss, metrics)``; metrics ``clip_frac``, ``dual_clip_frac``, ``approx_kl`` (KL(proximal || live), k3)
+    and those of ``behavior_correction``.
     """
     if proximal_logprobs is None:
         raise ValueError("decoupled_ppo needs proximal_logprobs (B, T), recomputed with the current weights")
-    if not behavior_weight_cap > 1.0:
-        raise ValueError(f"behavior_weight_cap must be > 1, got {behavior_weight_cap}")
-    cap_weight = get_behavior_weight_mode(behavior_weight_mode)
     mask = response_mask.bool()
+    weight, weight_metrics = behavior_correction(
+        proximal_logprobs, behavior_logprobs, mask, level=behavior_weight_level, mode=behavior_weight_mode,
+        cap=behavior_weight_cap, icepop_band=icepop_band, floor=behavior_weight_floor, turn_index=turn_index,
+        sampled_mask=sampled_mask)
     log_ratio = _log_ratio(logprobs, proximal_logprobs.detach(), mask)
     per_token, clipped, dual_clipped = ppo_clip_per_token(
         log_ratio.exp(), advantages, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
         dual_clip_c=dual_clip_c)
-    raw_weight = behavior_weight(proximal_logprobs, behavior_logprobs, mask)
-    weight, affected = cap_weight(raw_weight, behavior_weight_cap)
     loss = agg_loss(per_token * weight, mask, loss_agg_mode, horizon=horizon)
     metrics = _clip_metrics(clipped, dual_clipped, log_ratio, mask)
-    metrics.update(behavior_weight_metrics(raw_weight, affected, mask))
+    metrics.update(weight_metrics)
     return loss, metrics
 
 

@@ -324,13 +324,18 @@ def test_buffer_metrics_from_a_real_replay_buffer():
 
 # ---------------------------------------------------------------------------------------------------- learner
 def learner_stats(step: int, gae: bool = False, **over) -> LearnerStats:
-    """What Learner.train_step returns under decoupled PPO without a KL term (gae adds the critic's)."""
+    """What Learner.train_step returns under decoupled PPO without a KL term (gae adds the critic's, the KL term's
+    and the optional corrections' metrics: IcePop band and floor veto)."""
     d = {"policy_loss": 0.1, "entropy": 2.0, "clip_frac": 0.05, "dual_clip_frac": 0.0, "approx_kl": 0.01,
-         "iw_mean": 1.0, "iw_max": 1.8, "iw_capped_frac": 0.0, "behavior_kl": 0.001, "grad_norm": 0.7,
+         "iw_mean": 1.0, "iw_max": 1.8, "iw_capped_frac": 0.0, "iw_capped_seq_frac": 0.0, "behavior_kl": 0.001,
+         "mismatch_kl_fresh": 1e-4, "mismatch_abs_logprob_fresh": 0.01, "mismatch_kl_stale": 0.002,
+         "mismatch_abs_logprob_stale": 0.05, "seq_log_ratio_mean": -0.2, "seq_log_ratio_max": 1.5,
+         "fresh_token_fraction": 0.6, "grad_norm": 0.7,
          "lr": 1e-4, "staleness_mean": 0.5, "staleness_max": 1.0, "reward_mean": 0.25, "advantage_mean": 0.0,
          "loss_tokens": 300.0, "step_time_s": 2.0, "tokens_per_s": 250.0, "step": float(step), "version": 0.0}
     if gae:
-        d.update(value_loss=0.3, critic_grad_norm=0.2, kl=0.02)
+        d.update(value_loss=0.3, critic_grad_norm=0.2, kl=0.02, vf_clip_frac=0.1, icepop_masked_frac=0.01,
+                 floor_veto_frac=0.02, floor_veto_seq_frac=0.05)
     d.update(over)
     return LearnerStats.from_dict(d)
 
