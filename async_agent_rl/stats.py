@@ -20,6 +20,10 @@ The learner's quantities are declared once, in ``LEARNER_METRICS`` (field, meani
 ``monitoring.metrics`` defines its learner metrics from it, metrics.jsonl records every ``LearnerStats`` field, and
 a field without a row is an error at import.
 
+Unknown keys: ``LearnerStats.from_dict`` takes fields and the declared ``LEARNER_EXTRA_KEYS``; another key is an
+error under strict keys (``AAR_STRICT_STATS_KEYS=1``, set for the whole test suite) and otherwise a warning line, once
+per key per process, and dropped: a renamed metric cannot silently become None.
+
 Totals are monotonic since the reporting process started. A restarted rollout actor (a new process, so a new
 ``incarnation``) or a rebuilt buffer starts again from zero; ``RunTotals`` turns such reports into totals since
 the run began, for the driver's records and the Prometheus counters alike.
@@ -28,6 +32,8 @@ the run began, for the driver's records and the Prometheus counters alike.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import threading
 import time
 import uuid
@@ -39,6 +45,42 @@ from typing import Callable, Hashable, Iterator, Mapping, Optional, Sequence
 def new_incarnation() -> str:
     """An id for one life of a reporting process: its totals restart at zero when this changes."""
     return uuid.uuid4().hex
+
+
+# ------------------------------------------------------------------------------------------------ unknown keys
+log = logging.getLogger(__name__)
+
+# Set to 1 (the test suite sets it for every test and every process it starts): an unknown key in a stats message is
+# an error, so a renamed metric fails a test instead of turning into None.
+STRICT_KEYS_ENV = "AAR_STRICT_STATS_KEYS"
+_warned_keys: set[tuple[str, str]] = set()
+
+
+class UnknownStatsKeyError(KeyError):
+    """A stats message holds a key its class does not know (strict keys)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def strict_keys() -> bool:
+    """Whether unknown stats keys are errors: ``AAR_STRICT_STATS_KEYS=1`` in the environment."""
+    return os.environ.get(STRICT_KEYS_ENV, "") not in ("", "0")
+
+
+def check_stats_keys(message: str, unknown: Sequence[str]) -> None:
+    """Keys of a ``message`` (a stats class's name) that no field or declared extra holds: under strict keys
+    ``UnknownStatsKeyError`` naming them all; otherwise one warning line per key name and message per process, and
+    the caller drops them."""
+    if not unknown:
+        return
+    if strict_keys():
+        raise UnknownStatsKeyError(f"{message}: unknown key(s) {sorted(unknown)} (renamed metric? declare it as a "
+                                   f"field, or as an extra key)")
+    for key in unknown:
+        if (message, key) not in _warned_keys:
+            _warned_keys.add((message, key))
+            log.warning("%s: unknown key %r dropped (renamed metric? it is not recorded)", message, key)
 
 
 # ------------------------------------------------------------------------------------------------- occupancy
@@ -245,7 +287,7 @@ class LearnerStats:
     """One ``Learner.train_step`` (``learner.learner`` module docstring). Each quantity is declared, with its meaning,
     unit and metric, in ``LEARNER_METRICS`` below; a field without a row there is an error at import. Quantities a
     configuration does not compute (``kl`` without a KL term, the critic's without ``gae``, importance weights under
-    plain PPO) are None; ``extra`` holds the loss-specific ones nothing reads by name (``vf_clip_frac``, ...);
+    plain PPO) are None; ``extra`` holds the declared keys without a field (``LEARNER_EXTRA_KEYS``);
     ``batch`` describes the step's batch (``TrainBatch.summary()``)."""
 
     step: int = 0
@@ -292,13 +334,15 @@ class LearnerStats:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, float]) -> "LearnerStats":
-        """From a flat metrics dict (``as_dict``): known keys to fields, the rest to ``extra``."""
+        """From a flat metrics dict (``as_dict``): fields by name, the keys of ``LEARNER_EXTRA_KEYS`` to ``extra``.
+        Any other key is unknown (``check_stats_keys``): an error under strict keys, else warned of and dropped."""
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "batch"}
+        check_stats_keys(cls.__name__, [k for k in d if k not in names and k not in LEARNER_EXTRA_KEYS])
         known = {k: v for k, v in d.items() if k in names}
         for k in ("step", "version"):
             if k in known:
                 known[k] = int(known[k])
-        return cls(**known, extra={k: float(v) for k, v in d.items() if k not in names})
+        return cls(**known, extra={k: float(v) for k, v in d.items() if k in LEARNER_EXTRA_KEYS})
 
     def as_dict(self) -> dict[str, float]:
         """Flat, without the quantities not computed (the ``learner`` entry of metrics.jsonl)."""
@@ -394,6 +438,11 @@ LEARNER_METRICS: tuple[LearnerMetric, ...] = (
     LearnerMetric("advantage_mean", "mean advantage over loss positions, latest batch", "",
                   "aar_learner_advantage_mean"),
 )
+
+
+# Keys a learner step reports that no field holds (``extra``): the critic's clip fraction (gae), and the filler rows
+# a batch of groups that lost members was padded with.
+LEARNER_EXTRA_KEYS: frozenset[str] = frozenset({"vf_clip_frac", "filler_rows"})
 
 
 def check_learner_metrics(stats: type = LearnerStats, rows: tuple[LearnerMetric, ...] = LEARNER_METRICS) -> None:

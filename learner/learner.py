@@ -47,7 +47,14 @@ last good policy.
 Metrics of ``train_step``: ``LearnerStats``, over the whole batch on every rank, as one rank reports them; losses
 are the mini-batch aggregates averaged over updates. Each key, its meaning, unit and Prometheus metric are declared
 once, in ``async_agent_rl.stats.LEARNER_METRICS`` (``docs/METRICS.md`` lists them); keys the losses report that
-have no field (``vf_clip_frac``, the critic's clip fraction) go to ``LearnerStats.extra``.
+have no field are declared in ``async_agent_rl.stats.LEARNER_EXTRA_KEYS`` (``vf_clip_frac``, the critic's clip
+fraction) and go to ``LearnerStats.extra``.
+
+Mismatch apart from staleness (``algorithms.mismatch``), every step with a proximal pass: over the sampled tokens
+whose version is the proximal policy's (*fresh*: ``proximal_version()``, the published version the learner's weights
+are, None once they moved since a publish) the KL and mean absolute log-prob difference between behavior and
+proximal are engine/trainer mismatch alone; the same over the other (stale) tokens, and the sequence log-ratio.
+Each is a mean over the whole batch's tokens or rows, absent when there are none (no stale token at zero staleness).
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Strict stats keys for every test and every process a test starts (Ray workers, trainings inherit the environment):
+# an unknown key in a stats message is an error, so a renamed metric cannot silently become None
+# (async_agent_rl.stats.check_stats_keys; a user's run warns once per key instead).
+os.environ["AAR_STRICT_STATS_KEYS"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -392,6 +392,30 @@ def test_every_learner_quantity_is_declared_once_exported_and_recorded():
     assert fields <= set(record), f"not recorded in metrics.jsonl: {sorted(fields - set(record))}"
 
 
+def test_unknown_learner_key_is_an_error_under_strict_keys():
+    """Regression: an unknown key went silently to ``extra``, so a renamed metric became None without a word."""
+    assert stats_module.strict_keys(), "tests/conftest.py turns strict keys on for the whole suite"
+    with pytest.raises(stats_module.UnknownStatsKeyError, match=r"LearnerStats: unknown key\(s\) \['iw_capped_fraction'\]"):
+        learner_stats(1, iw_capped_fraction=0.5)  # a renamed iw_capped_frac
+    # the declared extra keys are known: they go to extra, fields to fields
+    stats = learner_stats(1, gae=True)
+    assert stats.extra == {"vf_clip_frac": 0.1} and stats.iw_capped_frac == 0.0
+    assert stats.as_dict()["vf_clip_frac"] == 0.1
+
+
+def test_unknown_learner_key_outside_tests_is_warned_of_once_and_dropped(monkeypatch, caplog):
+    monkeypatch.delenv(stats_module.STRICT_KEYS_ENV)
+    monkeypatch.setattr(stats_module, "_warned_keys", set())
+    with caplog.at_level("WARNING", logger=stats_module.__name__):
+        first = learner_stats(1, renamed_a=1.0, renamed_b=2.0)
+        learner_stats(2, renamed_a=1.0)  # the same key again: no second line
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["LearnerStats: unknown key 'renamed_a' dropped (renamed metric? it is not recorded)",
+                     "LearnerStats: unknown key 'renamed_b' dropped (renamed metric? it is not recorded)"]
+    assert first.extra == {} and "renamed_a" not in first.as_dict()
+    assert first.policy_loss == 0.1  # the known keys are kept
+
+
 def test_driver_and_eval_metrics():
     reg = M.new_registry()
     d, e = M.DriverMetrics(reg), M.EvalMetrics(reg)
