@@ -173,6 +173,9 @@ class EpisodeCounters:
     groups_started: int = 0
     waves: int = 0  # mode="sync" only
     pushed: int = 0
+    # finished, still refused by a full buffer when the worker stopped, and dropped then (never retried: nobody
+    # drains the buffer at a run's end)
+    dropped_at_stop: int = 0
     generated_tokens: int = 0
     observation_tokens: int = 0
     searches: int = 0
