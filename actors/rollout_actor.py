@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import ray
 
 from actors.engine import create_engine
-from actors.rollout_worker import PromptSource, RolloutWorker, engine_silence_s
+from actors.rollout_worker import PromptSource, RolloutWorker, engine_silence_s, episodes_timeout_s
 from actors.search_client import SearchClient
 from async_agent_rl.config import Config
 from async_agent_rl.data.search_r1 import read_qa_files
@@ -28,6 +28,7 @@ from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.errors import InputError
 from async_agent_rl.records import Trajectory
 from async_agent_rl.stats import RolloutStats, SearchStats, WeightUpdate
+from async_agent_rl.waits import within
 from buffer.actor import push_async
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class RolloutActor:
             seed=cfg.rollout.seed + self.index,
             mode=cfg.rollout.mode,
             engine_silence_s=engine_silence_s(cfg),
+            episodes_timeout_s=episodes_timeout_s(cfg),
+            last_push_s=cfg.cluster.actor_timeout_s,  # one push call's limit too (push_async)
         )
         # the metered engine from now on: a weight update through it pauses the health probe's clock (the engine's
         # requests wait for the update by design); everything else goes to the engine itself
@@ -108,8 +111,8 @@ class RolloutActor:
     # every call to the buffer is answered within cluster.actor_timeout_s, or fails the worker (the driver then
     # restarts this actor, and ends the run when the buffer itself stopped answering)
     async def _admit(self, n: int, version: int, group_id: str, prompt: dict | None = None) -> int:
-        return await asyncio.wait_for(self.buffer.try_start.remote(n, version, group_id, self.actor_id, prompt),
-                                      self.cfg.cluster.actor_timeout_s)
+        return await within(self.buffer.try_start.remote(n, version, group_id, self.actor_id, prompt),
+                            self.cfg.cluster.actor_timeout_s, "the buffer actor (try_start)")
 
     async def _push(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """One push; returns the trajectories a full buffer refused (the worker sends them again with its next push,
@@ -119,7 +122,7 @@ class RolloutActor:
         return result.rest(trajs)
 
     async def _lost(self, group_ids: list[str]) -> None:
-        await asyncio.wait_for(self.buffer.reject.remote(group_ids), self.cfg.cluster.actor_timeout_s)
+        await within(self.buffer.reject.remote(group_ids), self.cfg.cluster.actor_timeout_s, "the buffer actor (reject)")
 
     # ------------------------------------------------------------------------------------------------ control
     async def start(self, num_groups: int | None = None) -> dict:
@@ -131,7 +134,8 @@ class RolloutActor:
         assert self.worker is not None, "call setup() first"
         taken: dict = {"groups": [], "cursor": None, "unknown": [], "note": None}
         if getattr(self, "buffer", None) is not None:
-            claim = await asyncio.wait_for(self.buffer.claim.remote(self.actor_id), self.cfg.cluster.actor_timeout_s)
+            claim = await within(self.buffer.claim.remote(self.actor_id), self.cfg.cluster.actor_timeout_s,
+                                 "the buffer actor (claim)")
             taken = await self._take_up(claim)
         self._task = asyncio.create_task(self.worker.run(num_groups))
         self._task.add_done_callback(self._ended)
@@ -166,7 +170,8 @@ class RolloutActor:
             log.error("rollout actor %d stopped generating: %s", self.index, self.error())
 
     async def stop(self, timeout_s: float = 120.0) -> RolloutStats:
-        """Stop starting groups, let in-flight episodes finish and be pushed; returns the worker's stats."""
+        """Stop starting groups, let in-flight episodes finish and be pushed (within ``timeout_s``); returns the
+        worker's stats. What a full buffer still refuses then is dropped at once, counted in ``dropped_at_stop``."""
         if self.worker is not None:
             self.worker.stop()
         if self._task is not None:
@@ -222,7 +227,8 @@ class RolloutActor:
         if not fitting:
             raise InputError(f"none of the {len(too_long)} evaluation prompts fits data.max_prompt_length="
                              f"{self.cfg.data.max_prompt_length} tokens ({files})")
-        trajs = await run_greedy(self.worker.runner, fitting, self.cfg.rollout.max_concurrent_episodes)
+        trajs = await run_greedy(self.worker.runner, fitting, self.cfg.rollout.max_concurrent_episodes,
+                                 wave_s=episodes_timeout_s(self.cfg))
         return score_episodes(trajs, self.worker.runner.tokenizer, skipped_too_long=len(too_long))
 
     async def evaluate_weights(self, version: int, weights: Mapping[str, Any], files: list[str],

@@ -18,6 +18,13 @@ never waited on: the episodes that finish meanwhile go out alongside them, so a 
 holds back the members that complete the groups the buffer already holds (that stalled a run for ever:
 ``buffer.replay_buffer``, "Capacity and backpressure").
 
+At a stop (``stop()``, or the worker failing), once the last episode has ended, everything unsent goes out in one last
+push and what the buffer still refuses is dropped at once and counted (``dropped_at_stop``): the learner has stopped,
+nobody drains the buffer, and retrying until the caller's stop timeout held every worker of a run with a full buffer
+for minutes. Every wait of the worker has a limit (``async_agent_rl.waits``): its episodes in flight at the end of a
+wave or of its last group (``episodes_timeout_s``), its last push (``last_push_s``), its cancelled tasks
+(``cancel_grace_s``).
+
 Where time idles, reported with the totals (``RolloutStats``): the worker wraps its runner's engine in a
 ``MeteredEngine``, which counts the engine's requests in flight over time (``engine_idle_s``: the seconds with none,
 no episode generating), and reads the runner's ``EpisodeTimers`` (``episode_s``, ``tool_wait_s``: episode-seconds in
@@ -48,6 +55,7 @@ from async_agent_rl.data.search_r1 import QAExample
 from async_agent_rl.episode import EpisodeRunner, PromptTooLongError
 from async_agent_rl.records import Trajectory
 from async_agent_rl.stats import EpisodeCounters, Occupancy, RolloutStats, new_incarnation
+from async_agent_rl.waits import WaitTimeout, all_within, within
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +215,16 @@ ENGINE_SILENCE_FLOOR_S = 180.0
 ENGINE_SILENCE_TURNS = 10
 SLOWEST_REQUEST_TOKENS_PER_S = 10.0
 ENGINE_PROBE_EVERY_S = 5.0  # the probe looks this often (or at a tenth of a smaller limit)
+IDLE_WAKE_S = 1.0  # the flush task, with nothing to send, looks at its outbox again after this long at most
+
+
+def episodes_timeout_s(cfg: Any) -> float:
+    """How long a worker of config ``cfg`` waits for its episodes in flight to end (a wave in ``mode="sync"``, the last
+    ones after its last group): twice the longest of one episode of ``rollout.max_response_length`` tokens at the
+    slowest pace assumed, the engine health probe's limit (a hung engine is then reported as such first) and
+    ``cluster.actor_timeout_s``."""
+    episode = cfg.rollout.max_response_length / SLOWEST_REQUEST_TOKENS_PER_S
+    return 2 * max(episode, engine_silence_s(cfg), cfg.cluster.actor_timeout_s)
 
 
 def engine_silence_s(cfg: Any) -> float:
@@ -324,6 +342,8 @@ class RolloutWorker:
         mode: str = "async",
         engine_silence_s: float = 0.0,
         cancel_grace_s: float = 10.0,
+        episodes_timeout_s: float = 3600.0,
+        last_push_s: float = 60.0,
     ):
         if mode not in ("async", "sync"):
             raise ValueError(f"mode must be 'async' or 'sync', not {mode!r}")
@@ -349,9 +369,18 @@ class RolloutWorker:
         # the health probe's limit (0: no probe): requests in flight with none finished for longer stop the worker
         self.engine_silence_s = engine_silence_s
         self.cancel_grace_s = cancel_grace_s  # after a failure, how long cancelled episode tasks are waited for
+        # how long the episodes in flight at the end of a wave or of the last group are waited for (past it the worker
+        # fails with WaitTimeout: its actor is restarted), and the last push after the last episode (past it what is
+        # unsent is dropped and counted in dropped_at_stop)
+        self.episodes_timeout_s = episodes_timeout_s
+        self.last_push_s = last_push_s
         self.stats.timers = getattr(runner, "timers", None)
         self._slots = asyncio.Semaphore(max_concurrent)
         self._outbox: asyncio.Queue[Trajectory | None] = asyncio.Queue()
+        # the flush task's trajectories: finished and not sent yet, sent and refused (held), in the push under way
+        self._batch: list[Trajectory] = []
+        self._held: list[Trajectory] = []
+        self._sending: list[Trajectory] = []
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
         self._failed = asyncio.Event()
@@ -379,7 +408,8 @@ class RolloutWorker:
         self._redo.extend(groups)
 
     def stop(self) -> None:
-        """Start no new groups; in-flight episodes finish and are pushed."""
+        """Start no new groups; in-flight episodes finish and are pushed, once: what a full buffer still refuses then
+        is dropped and counted (``stats.dropped_at_stop``)."""
         self._stop.set()
 
     async def run(self, num_groups: int | None = None) -> WorkerStats:
@@ -391,7 +421,7 @@ class RolloutWorker:
         flush task died alone and the worker generated on forever; the error surfaced only at ``stop()``. So does an
         engine whose requests stay in flight with none finishing for ``engine_silence_s`` (the health probe,
         ``_probe_engine``). The cancelled episodes are waited for ``cancel_grace_s`` at most (a hung engine may not
-        even let its requests be aborted)."""
+        even let its requests be aborted). The last push is waited for ``last_push_s`` at most (module docstring)."""
         flusher = asyncio.create_task(self._flush_loop())
         flusher.add_done_callback(lambda t: self._task_ended("pushing finished episodes", t))
         body = asyncio.create_task(self._generate(num_groups))
@@ -416,7 +446,7 @@ class RolloutWorker:
                 log.warning("rollout worker %s: %d task(s) did not end within %g s of being cancelled (a hung "
                             "engine?); left behind", self.actor_id, len(stuck), self.cancel_grace_s)
             await self._outbox.put(None)
-            await asyncio.wait({flusher})  # its failure, if any, is self.failure
+            await self._last_push(flusher)
         if self.failure is not None:
             what, e = self.failure
             raise RolloutFailure(f"rollout worker {self.actor_id}: {what} failed: {type(e).__name__}: {e}") from e
@@ -440,8 +470,15 @@ class RolloutWorker:
             self._drawn = None
             await self._start_group(ex, group_id)
             group_id = self._new_group_id()
+        await self._episodes_ended()
+
+    async def _episodes_ended(self) -> None:
+        """Wait for the episodes in flight to end (their errors are theirs: counted, reported lost), for
+        ``episodes_timeout_s`` at most: past it the worker fails with ``WaitTimeout`` (the episodes are cancelled)."""
         if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await all_within(list(self._tasks), self.episodes_timeout_s,
+                             f"rollout worker {self.actor_id}: its {len(self._tasks)} episode(s) in flight",
+                             return_exceptions=True)
 
     def _task_ended(self, what: str, task: asyncio.Task) -> None:
         """Done callback of the flush task and of every episode task: an exception that escaped one stops the
@@ -502,7 +539,7 @@ class RolloutWorker:
             lockstep = EpisodeRunner(LockstepEngine(r.engine, barrier), r.search, r.tokenizer, r.s, r.timers)
             for ex, gid, members in wave:
                 await self._start_group(ex, gid, lockstep, barrier, members=members)
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await self._episodes_ended()
             self.stats.waves += 1
 
     async def _wait(self, seconds: float) -> None:
@@ -580,25 +617,58 @@ class RolloutWorker:
     async def _flush_loop(self) -> None:
         """Send finished trajectories in batches; hold the ones the sink refused (a full buffer) and send them again
         with the next batch or after ``push_retry_s``, whichever comes first (module docstring). After the last
-        episode it retries the held ones until the buffer takes them (``stop`` bounds that wait)."""
-        batch: list[Trajectory] = []  # finished, not sent yet
-        held: list[Trajectory] = []  # sent and refused: sent again, never waited on
-        done = False
-        while not done or held:
-            if done:
-                await asyncio.sleep(self.push_retry_s)
+        episode, one last push of everything unsent: at a stop (``stop()``, a failure) what the buffer still refuses
+        is dropped at once and counted in ``stats.dropped_at_stop``; without one (``run(num_groups)`` ran out of
+        groups) the refused ones are sent again every ``push_retry_s`` until taken or ``stop()`` (``run`` waits
+        ``last_push_s`` at most)."""
+        batch, held = self._batch, self._held  # finished, not sent yet; sent and refused: sent again, never waited on
+        while True:
+            waits = ([self.flush_after_s] if batch else []) + ([self.push_retry_s] if held else [])
+            try:
+                item = await asyncio.wait_for(self._outbox.get(), min(waits) if waits else IDLE_WAKE_S)
+            except asyncio.TimeoutError:
                 item = ...
-            else:
-                waits = ([self.flush_after_s] if batch else []) + ([self.push_retry_s] if held else [])
-                try:
-                    item = await asyncio.wait_for(self._outbox.get(), min(waits) if waits else None)
-                except asyncio.TimeoutError:
-                    item = ...
-                if item is None:
-                    done = True
-                elif item is not ...:
-                    batch.append(item)
-            if (batch or held) and (done or item is ... or len(batch) >= self.push_batch_size):
-                send, batch = held + batch, []
-                held = list(await self.sink(send) or ())
-                self.stats.pushed += len(send) - len(held)
+            if item is None:  # the last episode has ended
+                break
+            if item is not ...:
+                batch.append(item)
+            if (batch or held) and (item is ... or len(batch) >= self.push_batch_size):
+                await self._push_now()
+        while batch or held:
+            stopping = self._stop.is_set()
+            await self._push_now()
+            if stopping or not held:
+                break
+            await asyncio.sleep(self.push_retry_s)
+        self._drop("the buffer still refused them at stop")
+
+    async def _push_now(self) -> None:
+        """One push of the held trajectories and the batch; the refused ones are held."""
+        send = [*self._held, *self._batch]
+        self._held.clear()
+        self._batch.clear()
+        self._sending = send
+        refused = list(await self.sink(send) or ())
+        self._sending = []
+        self._held.extend(refused)
+        self.stats.pushed += len(send) - len(refused)
+
+    async def _last_push(self, flusher: asyncio.Task) -> None:
+        """Wait for the flush task's last push, ``last_push_s`` at most; past it the push is cancelled and what was
+        not taken is dropped and counted (``stats.dropped_at_stop``). A failure of the flush task is ``self.failure``
+        (its done callback), raised by ``run``."""
+        try:
+            await within(flusher, self.last_push_s, f"rollout worker {self.actor_id}: its last push")
+        except WaitTimeout:
+            self._drop(f"not taken within last_push_s={self.last_push_s:g} s of the last episode")
+        except Exception:  # noqa: BLE001 - the flush task's failure: self.failure has it
+            pass
+
+    def _drop(self, why: str) -> None:
+        """Drop every trajectory not taken by the buffer (unsent, refused, in a push cut off), counted and said."""
+        dropped = [*self._sending, *self._held, *self._batch]
+        self._sending, self._held[:], self._batch[:] = [], [], []
+        if dropped:
+            self.stats.dropped_at_stop += len(dropped)
+            log.warning("rollout worker %s: %d finished trajectories dropped at stop (%s)", self.actor_id,
+                        len(dropped), why)

@@ -22,6 +22,11 @@ from async_agent_rl.episode import EpisodeRunner
 from async_agent_rl.episode_settings import EpisodeSettings
 from async_agent_rl.records import Trajectory
 from async_agent_rl.rewards import exact_match, f1, scoring_text
+from async_agent_rl.waits import all_within
+
+# how long one wave of greedy episodes may take when the caller names no limit (a rollout actor's evaluation passes
+# actors.rollout_worker.episodes_timeout_s of its config)
+GREEDY_WAVE_S = 1800.0
 
 
 @contextlib.contextmanager
@@ -64,8 +69,10 @@ async def local_stack(cfg: Config, model_path: str | None = None, url: str | Non
             await engine.close()
 
 
-async def run_greedy(runner: EpisodeRunner, examples: Sequence[QAExample], concurrency: int = 64) -> list[Trajectory]:
-    """One greedy episode per question (temperature 0), all concurrent up to ``concurrency``."""
+async def run_greedy(runner: EpisodeRunner, examples: Sequence[QAExample], concurrency: int = 64,
+                     wave_s: float = GREEDY_WAVE_S) -> list[Trajectory]:
+    """One greedy episode per question (temperature 0), all concurrent up to ``concurrency``; within ``wave_s`` per
+    wave of ``concurrency`` episodes (``WaitTimeout`` past it)."""
     greedy = dataclasses.replace(runner.s, temperature=0.0)
     r = EpisodeRunner(runner.engine, runner.search, runner.tokenizer, greedy)
     sem = asyncio.Semaphore(concurrency)
@@ -74,7 +81,8 @@ async def run_greedy(runner: EpisodeRunner, examples: Sequence[QAExample], concu
         async with sem:
             return await r.run(ex, group_id=f"eval-{ex.id}", trajectory_id=f"eval-{ex.id}")
 
-    return list(await asyncio.gather(*(one(ex) for ex in examples)))
+    waves = max(1, -(-len(examples) // max(1, concurrency)))
+    return await all_within([one(ex) for ex in examples], waves * wave_s, f"{len(examples)} greedy episodes")
 
 
 def model_text(traj: Trajectory, tokenizer) -> str:

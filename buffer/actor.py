@@ -46,6 +46,7 @@ from async_agent_rl.config import BufferConfig, Config
 from async_agent_rl.records import Trajectory
 from async_agent_rl.staleness import AdmissionState
 from async_agent_rl.stats import BufferStats, new_incarnation
+from async_agent_rl.waits import WaitTimeout, bounded, within
 from buffer.replay_buffer import PushResult, ReplayBuffer, SnapshotError, peek_group_id
 
 SNAPSHOT_FILE = "replay_buffer.snapshot"
@@ -346,8 +347,8 @@ async def push_async(
     """One ``push_many`` call: the buffer takes what fits and names the rest (module docstring, step 2). Raises
     ``TimeoutError`` when it is not answered within ``call_timeout_s`` (a buffer stopped or hung)."""
     try:
-        return await asyncio.wait_for(actor.push_many.remote(list(blobs)), call_timeout_s)
-    except asyncio.TimeoutError:
+        return await within(actor.push_many.remote(list(blobs)), call_timeout_s, "the replay buffer (push_many)")
+    except WaitTimeout:
         raise TimeoutError(_silent(call_timeout_s, len(blobs))) from None
 
 
@@ -364,7 +365,8 @@ def push_all(
     rest, waits = list(blobs), 0
     while rest:
         try:
-            result: PushResult = ray.get(actor.push_many.remote(rest), timeout=call_timeout_s)
+            result: PushResult = bounded(ray.get, actor.push_many.remote(rest), timeout_s=call_timeout_s,
+                                         what="the replay buffer (push_many)")
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(_silent(call_timeout_s, len(rest))) from None
         rest = result.rest(rest)

@@ -24,6 +24,7 @@ from async_agent_rl.config import Config
 from async_agent_rl.errors import InputError
 from async_agent_rl.net import free_port
 from async_agent_rl.stats import LearnerStats
+from async_agent_rl.waits import bounded
 from async_agent_rl.weight_group import WeightGroup, listen_socket, weight_specs
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.learner import Learner
@@ -139,19 +140,20 @@ class LearnerGroup:
     def _get(self, refs: Any, what: str, long: bool = False, limit: float | None = None) -> Any:
         """``ray.get(refs)`` within the call's limit (``limit``, else the group's quick or long one)."""
         if limit is None:
-            limit = self.long_timeout_s if long else self.timeout_s
-            within = f"{'cluster.actor_setup_timeout_s' if long else 'cluster.actor_timeout_s'}={limit:g} s"
+            bound = self.long_timeout_s if long else self.timeout_s
+            within = f"{'cluster.actor_setup_timeout_s' if long else 'cluster.actor_timeout_s'}={bound:g} s"
         else:
-            within = f"{limit:g} s"
+            bound, within = limit, f"{limit:g} s"
         try:
-            return ray.get(refs, timeout=limit)
+            return bounded(ray.get, refs, timeout_s=bound, what=f"the learner ({what})")
         except GetTimeoutError:
             raise LearnerTimeout(f"the learner ({what}) did not answer within {within} (hung or stopped)") from None
 
     def ready(self, timeout_s: float | None = None) -> list[int]:
-        """Every rank's number once all are started; ``GetTimeoutError`` after ``timeout_s`` (a rank Ray cannot
-        place, one whose start hangs)."""
-        return ray.get([a.rank.remote() for a in self.actors], timeout=timeout_s)
+        """Every rank's number once all are started; ``GetTimeoutError`` after ``timeout_s`` (None: the group's
+        long limit; a rank Ray cannot place, one whose start hangs, is waited for no longer)."""
+        bound = self.long_timeout_s if timeout_s is None else timeout_s
+        return bounded(ray.get, [a.rank.remote() for a in self.actors], timeout_s=bound, what="the learner (rank)")
 
     def _all(self, method: str, *args: Any, long: bool = False, limit: float | None = None) -> list[Any]:
         return self._get([getattr(a, method).remote(*args) for a in self.actors], method, long, limit)
@@ -170,7 +172,8 @@ class LearnerGroup:
     def state_dict_ref(self) -> "ray.ObjectRef":
         """A reference to rank 0's numpy state dict, for ``ObjectStorePublisher.publish`` (no driver copy)."""
         refs = [a.state_dict_for_publish.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), fetch_local=False, timeout=self.long_timeout_s)
+        ready, _ = bounded(ray.wait, refs, num_returns=len(refs), fetch_local=False, timeout_s=self.long_timeout_s,
+                           what="the learner (state_dict_for_publish)")
         if len(ready) < len(refs):
             raise LearnerTimeout(f"the learner (state_dict_for_publish) did not answer within "
                                  f"cluster.actor_setup_timeout_s={self.long_timeout_s:g} s (hung or stopped)")

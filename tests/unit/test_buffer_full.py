@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -98,3 +99,76 @@ def test_a_full_buffer_never_stalls_a_rollout_actors_pushes():
     stats = buffer.stats()
     assert stats.push_refused >= 1  # the buffer was full: Y/0 was refused at least once
     assert stats.sampled == 4 and stats.size == 0 and w.stats.pushed == w.stats.finished == 4
+
+
+class QuickRunner:
+    """Every episode takes 5 ms and finishes; member numbers count up per group."""
+
+    def __init__(self):
+        self.engine = SimpleNamespace(version=0)
+        self.members: Counter[str] = Counter()
+
+    async def run(self, ex, group_id="", trajectory_id="", seed=None):
+        await asyncio.sleep(0.005)
+        self.members[group_id] += 1
+        return Trajectory.decode(traj(group_id, self.members[group_id] - 1))
+
+
+def test_a_worker_whose_buffer_refuses_everything_stops_at_once_and_counts_what_it_dropped():
+    """The end of a run with a full buffer waited ~2 minutes (last RL step at 162 s, exit at 289 s): after the
+    learner stopped, each worker's flush task offered the refused trajectories again and again until the caller's
+    stop timeout. Now the last push is made once, and what is still refused is dropped and counted. Before, this
+    worker never returned after stop() (the test's 5 s bound ended it)."""
+    offers = []
+
+    async def full(batch):  # a buffer nobody drains: every trajectory refused
+        offers.append(len(batch))
+        return list(batch)
+
+    w = RolloutWorker(QuickRunner(), iter([QAExample(id="q", question="q", gold_answers=["x"])] * 1000), full,
+                      group_size=2, max_concurrent=4, push_batch_size=2, actor_id="actor0", seed=None)
+
+    async def go():
+        task = asyncio.create_task(w.run())
+        while w.stats.finished < 8:
+            await asyncio.sleep(0.01)
+        w.stop()
+        t0 = time.monotonic()
+        stats = await asyncio.wait_for(task, timeout=5)  # before: asyncio.TimeoutError, the flusher retrying on
+        return stats, time.monotonic() - t0
+
+    stats, took = asyncio.run(go())
+    assert took < 1.0, f"stopping took {took:.2f} s"
+    assert stats.pushed == 0 and stats.finished >= 8
+    assert stats.dropped_at_stop == stats.finished, stats  # every finished trajectory: refused, then dropped
+    message = stats.message()
+    assert message.dropped_at_stop == stats.finished  # what the actor reports (RolloutActor.stats, the metric)
+
+
+def test_a_rollout_actor_with_a_full_buffer_stops_within_a_push_and_reports_the_count():
+    """The rollout actor's own stop path with the real ``BufferActor``, full and never sampled (the learner has
+    stopped): ``RolloutActor.stop`` returns at once, not after its timeout, and its stats count the refused ones.
+    Before, ``stop(timeout_s=30)`` took its 30 s (the test's 5 s bound ended it)."""
+    buffer = BufferActor(BufferConfig(max_staleness=8, capacity_trajectories=2), group_size=2,
+                         consumed_per_version=2, max_concurrent=4, batch_size=2, max_trajectory_tokens=LONGEST)
+    actor = RolloutActor.__new__(RolloutActor)  # the shell's push, admission and stop, without an engine
+    actor.buffer, actor.actor_id, actor.index, actor.initial_version, actor._updates = \
+        InProcessHandle(buffer), "actor0", 0, 0, []
+    actor.cfg = SimpleNamespace(cluster=SimpleNamespace(actor_timeout_s=5.0))
+    actor.worker = RolloutWorker(QuickRunner(), iter([QAExample(id="q", question="q", gold_answers=["x"])] * 1000),
+                                 actor._push, group_size=2, max_concurrent=4, push_batch_size=2, admit=actor._admit,
+                                 on_lost=actor._lost, actor_id="actor0", admission_poll_s=0.01, seed=None)
+
+    async def go():
+        actor._task = asyncio.create_task(actor.worker.run())
+        while buffer.stats().push_refused < 4:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        stats = await asyncio.wait_for(actor.stop(timeout_s=30), timeout=5)
+        return stats, time.monotonic() - t0
+
+    stats, took = asyncio.run(go())
+    assert took < 2.0, f"stopping took {took:.2f} s"
+    assert stats.done and actor.error() == "its rollouts ended"
+    assert stats.pushed == buffer.stats().size == 2  # the buffer's room
+    assert stats.dropped_at_stop == stats.finished - stats.pushed > 0, stats
