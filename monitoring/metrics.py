@@ -114,6 +114,9 @@ ROLLOUT_EPISODES_FAILED = _define(
 ROLLOUT_GROUPS_STARTED = _define("rollout", "aar_rollout_groups_started_total", COUNTER, "GRPO groups started", A, field="groups_started")
 ROLLOUT_TRAJECTORIES_PUSHED = _define(
     "rollout", "aar_rollout_trajectories_pushed_total", COUNTER, "trajectories handed to the replay buffer", A, field="pushed")
+ROLLOUT_DROPPED_AT_STOP = _define(
+    "rollout", "aar_rollout_trajectories_dropped_at_stop_total", COUNTER,
+    "finished trajectories a full buffer still refused when the actor stopped, dropped then", A, field="dropped_at_stop")
 ROLLOUT_GENERATED_TOKENS = _define(
     "rollout", "aar_rollout_generated_tokens_total", COUNTER, "tokens sampled by the engine in finished episodes", A, field="generated_tokens")
 ROLLOUT_OBSERVATION_TOKENS = _define(
