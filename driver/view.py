@@ -39,6 +39,10 @@ def cmd_view(args: argparse.Namespace) -> int:
         raise InputError(f"--port {args.port}: must be between 0 and 65535 (0: any free port)")
 
     async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # before the address is printed: whoever reads it may stop us
+            loop.add_signal_handler(sig, stop.set)
         try:
             runner, port = await start(run_dir, args.port)
         except OSError as e:
@@ -46,10 +50,6 @@ def cmd_view(args: argparse.Namespace) -> int:
                 raise InputError(f"--port {args.port}: in use on {HOST} (give another, or 0 for any free port)") from None
             raise
         print(f"viewer of {run_dir} on http://{HOST}:{port}/ (Ctrl-C to stop)", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         try:
             await stop.wait()
         finally:

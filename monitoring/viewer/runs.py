@@ -148,12 +148,17 @@ class RunFiles:
         kinds = sorted({k for x in by_kind if isinstance(x, dict) for k in x}
                        | {k for e in evals for k, v in e.items() if isinstance(v, dict) and "exact_match" in v}
                        - {"all"})
+        # The rollout actors' totals reach the driver at its polls, not at every step: a record whose totals did not
+        # move has no rate of its own (null), and the next that moved gets the rate since the last that moved.
         episodes_rate, tool_latency = [], []
         prev: dict = {}
+        moved: dict = {}
         for r in rows:
-            d_eps = _delta(r, prev, "episodes_total")
-            d_t = _delta(r, prev, "elapsed_s")
-            episodes_rate.append(d_eps / d_t if d_eps is not None and d_t else None)
+            d_eps = _delta(r, moved, "episodes_total")
+            d_t = _delta(r, moved, "elapsed_s")
+            episodes_rate.append(d_eps / d_t if d_eps and d_t else None)
+            if d_eps:
+                moved = r
             d_search = _delta(r, prev, "searches_total")
             wait = _num(r.get("rollout_tool_wait_s"))
             tool_latency.append(wait / d_search if wait is not None and d_search else None)

@@ -77,11 +77,15 @@ def make_app(run_dir: str | Path) -> web.Application:
             return _json({"error": f"no file {name!r}"}, status=404)
         return web.Response(text=static_text(name), content_type=STATIC[name], headers=_HEADERS)
 
+    async def no_icon(request: web.Request) -> web.Response:
+        return web.Response(status=204, headers=_HEADERS)
+
     async def not_found(request: web.Request) -> web.Response:
         return _json({"error": f"nothing at {request.path}"}, status=404)
 
     app = web.Application()
     app.router.add_get("/", page)
+    app.router.add_get("/favicon.ico", no_icon)
     app.router.add_get("/static/{name}", static)
     app.router.add_get("/api/run", api(lambda r: files.run()))
     app.router.add_get("/api/series", api(lambda r: files.series()))

@@ -83,11 +83,18 @@ def test_series_from_the_files_bad_lines_counted_and_the_partial_line_left(run):
         f.write(json.dumps(metrics_row(3, 20, 1.0))[40:] + "\n")
     st = (run / "metrics.jsonl").stat()
     os.utime(run / "metrics.jsonl", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    with open(run / "metrics.jsonl", "a") as f:  # step 4: the actors' totals did not reach the driver this step
+        f.write(json.dumps({**metrics_row(4, 20, 0.0), "episodes_total": 96}) + "\n")
+    with open(run / "metrics.jsonl", "a") as f:  # step 5: they did, for two steps
+        f.write(json.dumps(metrics_row(5, 28, 1.6)) + "\n")
+    st = (run / "metrics.jsonl").stat()
+    os.utime(run / "metrics.jsonl", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     s = files.series()
-    assert s["steps"] == [1, 2, 3] and s["tool"]["seconds_per_search"][2] == 1.0 / 8
+    assert s["steps"] == [1, 2, 3, 4, 5] and s["tool"]["seconds_per_search"][2:] == [1.0 / 8, None, 0.2]
+    assert s["throughput"]["episodes_per_s"] == [3.2, 3.2, 3.2, None, 64 / 20]
     assert s["skipped"] == {"metrics.jsonl": 2}
     run_info = files.run()
-    assert (run_info["step"], run_info["total_steps"], run_info["finished"]) == (3, 10, False)
+    assert (run_info["step"], run_info["total_steps"], run_info["finished"]) == (5, 10, False)
     assert run_info["episode_steps"] == 2
 
 

@@ -35,8 +35,9 @@ function sv(tag, attrs, text) {
 function fmt(v) {
   if (v === null || v === undefined || !Number.isFinite(v)) return "–";
   const a = Math.abs(v);
-  if (a !== 0 && (a < 0.01 || a >= 1e5)) return v.toExponential(1);
   if (Number.isInteger(v)) return String(v);
+  if (a >= 1e5 || (a !== 0 && a < 1e-4)) return v.toExponential(1);
+  if (a < 1) return String(Number(v.toPrecision(2)));
   return a >= 100 ? v.toFixed(0) : a >= 10 ? v.toFixed(1) : v.toFixed(2);
 }
 
