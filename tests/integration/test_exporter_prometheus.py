@@ -239,7 +239,10 @@ async def simulated_run(mon: RunMonitoring, search_url: str, seconds: float) -> 
                                        behavior_kl=0.002, iw_mean=1.0, iw_max=1.4, iw_capped_frac=0.0,
                                        clip_frac=0.03, grad_norm=0.8, lr=1e-4, staleness_mean=0.5, staleness_max=1.0,
                                        reward_mean=0.5, advantage_mean=0.0, loss_tokens=200.0, step_time_s=0.5,
-                                       tokens_per_s=800.0)
+                                       tokens_per_s=800.0, iw_capped_seq_frac=0.0, mismatch_kl_fresh=1e-6,
+                                       mismatch_abs_logprob_fresh=1e-3, mismatch_kl_stale=0.002,
+                                       mismatch_abs_logprob_stale=0.05, seq_log_ratio_mean=0.01,
+                                       seq_log_ratio_max=0.2, fresh_token_fraction=0.5)
                 publish = PublishStats(version=version, method="object_store", seconds=0.08, put_seconds=0.02,
                                        bytes=10**6, num_actors=2)
                 now = time.monotonic()

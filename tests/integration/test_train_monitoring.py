@@ -48,6 +48,9 @@ NOT_COMPUTED_IN_QUICKSTART: dict[str, str] = {
     M.LEARNER_KL: "algorithm.kl_coef is 0: no KL term",
     M.LEARNER_VALUE_LOSS: "advantage_estimator grpo: no critic",
     M.LEARNER_CRITIC_GRAD_NORM: "advantage_estimator grpo: no critic",
+    M.LEARNER_ICEPOP_MASKED_FRACTION: "algorithm.icepop_band is null: no IcePop band",
+    M.LEARNER_FLOOR_VETO_FRACTION: "algorithm.behavior_weight_floor is null: no floor veto",
+    M.LEARNER_FLOOR_VETO_SEQUENCE_FRACTION: "algorithm.behavior_weight_floor is null: no floor veto",
 }
 
 needs_prometheus = pytest.mark.skipif(
