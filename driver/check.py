@@ -23,6 +23,7 @@ from safetensors import safe_open
 from async_agent_rl.config import Config
 from async_agent_rl.errors import InputError
 from driver.prepare import built_model_problem, engine_head_size_problem
+from learner.checkpoint import weights_problems
 from retriever.backends import INDEX_META_FILE, check_encoder_dir, check_faiss_file
 
 GIB = 1 << 30
@@ -66,50 +67,11 @@ def count_parameters(model_dir: Path) -> int | None:
     return total
 
 
-def safetensors_problem(path: Path) -> str | None:
-    """Why the safetensors file ``path`` cannot be loaded (a truncated or padded file, a header that is not JSON
-    or does not describe its tensors), or None. Reads the header only: 8 bytes of little-endian length, that many
-    bytes of JSON giving each tensor's ``data_offsets`` into the data that follows."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"{path}: truncated safetensors file: {size} bytes, not even the 8-byte header length"
-        header_len = int.from_bytes(head, "little")
-        if 8 + header_len > size:
-            return (f"{path}: truncated safetensors file: {size} bytes, its header alone says {8 + header_len}")
-        raw = f.read(header_len)
-    try:
-        header = json.loads(raw)
-        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        return f"{path}: not a safetensors file: its header does not describe tensors ({type(e).__name__})"
-    expected = 8 + header_len + max(ends, default=0)
-    if size != expected:
-        what = "truncated" if size < expected else "damaged (padded)"
-        return f"{path}: {what} safetensors file: {size} bytes, its header describes {expected}"
-    return None
-
-
 def model_weights_problems(model_dir: Path) -> list[str]:
-    """What is wrong with a model folder's safetensors weights, one line each (a folder without safetensors files
-    is not judged here): each ``*.safetensors`` file's size against its header, and every shard a
-    ``model.safetensors.index.json`` names present."""
-    problems = []
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            problems.append(f"{index}: not a safetensors index ({type(e).__name__})")
-            shards = []
-        problems += [f"{model_dir / s}: missing (named by {index.name})" for s in shards
-                     if not (model_dir / s).is_file()]
-    for f in sorted(model_dir.glob("*.safetensors")):
-        why = safetensors_problem(f)
-        if why is not None:
-            problems.append(why)
-    return problems
+    """What is wrong with a model folder's safetensors weights, one line each naming the file (a folder without
+    safetensors files is not judged here): the one check a resume also runs on each checkpoint's weights
+    (``learner.checkpoint.weights_problems``)."""
+    return weights_problems(model_dir)
 
 
 def probe_retriever(url: str, timeout_s: float) -> str | None:

@@ -19,10 +19,18 @@ Everything this module writes itself is JSON or safetensors; DeepSpeed's own fil
 and reads locally: loading a checkpoint unpickles them, so resume only from checkpoints you wrote yourself.
 
 Integrity (the driver's ``checkpoints/step_N``): the whole folder is written under a temporary name, then
-``MANIFEST.json`` (size and sha256 of every file) is written last, and the folder is renamed into place.
-``verify_manifest`` re-reads every file against it; ``newest_intact`` picks the newest checkpoint that passes,
-with one warning per damaged one skipped; ``config_differences`` names the keys where a checkpoint's config and a
-run's config disagree on something the saved state depends on.
+``MANIFEST.json`` (size and sha256 of every file) is written last, and the folder is renamed into place
+(``commit_checkpoint``). A step that already has a checkpoint (the stall report's, after a resume) is replaced
+without a moment in which neither is on disk whole: the old one is renamed aside to ``step_N.old`` (which a reader
+still finds), the new one renamed in, and only then is the old one removed. ``verify_manifest`` re-reads every file
+against the manifest; ``newest_intact`` picks the newest checkpoint that passes it and whose policy weights are
+whole (``weights_problems``: weights damaged and then resealed into the manifest pass the checksums), with one
+warning per damaged one skipped; ``config_differences`` names the keys where a checkpoint's config and a run's
+config disagree on something the saved state depends on.
+
+``weights_problems`` is the one check of a model folder's safetensors weights: a resume runs it on each
+checkpoint's ``policy/``, ``eval --checkpoint``, ``rollout --model`` and ``train --dry-run`` on the model they are
+given (``driver.check``).
 """
 
 from __future__ import annotations
@@ -30,11 +38,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -176,29 +185,167 @@ def verify_manifest(directory: str | Path) -> None:
             raise CheckpointError(f"{path}: checksum mismatch (the file is damaged)")
 
 
+ASIDE_SUFFIX = ".old"  # step_N.old: a checkpoint being replaced (still a step_* a reader finds)
+_after: Callable[[str], None] | None = None  # tests: called after each step of commit_checkpoint, with its name
+
+
+def _step(name: str) -> None:
+    if _after is not None:
+        _after(name)
+
+
 def commit_checkpoint(tmp_dir: str | Path, final_dir: str | Path) -> Path:
-    """Seal a checkpoint written into ``tmp_dir``: manifest last, then one rename to ``final_dir`` (a stale or
-    damaged folder of that name, e.g. from before a resume, is replaced)."""
+    """Seal a checkpoint written into ``tmp_dir``: manifest last, then renamed to ``final_dir``. A folder already
+    there (the same step written again) is replaced with the new one whole on disk at every moment: it is renamed
+    aside to ``final_dir.old``, the new one renamed in, then the old one removed. A crash between any two of these
+    leaves a checkpoint of the step that ``newest_intact`` picks: the old one (``step_N.old``) until the new one is
+    in, the new one after."""
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
     write_manifest(tmp_dir)
+    _step("manifest")
+    aside = final_dir.with_name(final_dir.name + ASIDE_SUFFIX)
     if final_dir.exists():
-        shutil.rmtree(final_dir)
+        if aside.exists():  # an older replace's leftover, no longer needed: final_dir is there
+            shutil.rmtree(aside)
+        os.rename(final_dir, aside)
+        _fsync_dir(final_dir.parent)
+        _step("aside")
     os.rename(tmp_dir, final_dir)
+    _fsync_dir(final_dir.parent)
+    _step("in")
+    if aside.exists():
+        shutil.rmtree(aside)
+        _step("removed")
     return final_dir
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in ``path`` durable (a power cut after a rename must not undo it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a folder
+        pass
+    finally:
+        os.close(fd)
+
+
+def _order(ckpt: Path) -> tuple[str, int]:
+    """Sort key: by the step's name, ``step_N`` after its own ``step_N.old`` (the replaced one)."""
+    name = ckpt.name
+    if name.endswith(ASIDE_SUFFIX):
+        return name[: -len(ASIDE_SUFFIX)], 0
+    return name, 1
+
+
 def newest_intact(candidates: Iterable[Path]) -> tuple[Path | None, list[str]]:
-    """The newest (last in sort order) checkpoint that passes ``verify_manifest``, and one line per damaged newer
-    one that was skipped (each also logged as a warning)."""
+    """The newest checkpoint (last in sort order, ``step_N`` before a ``step_N.old`` that a crash in the middle of a
+    replace left) that passes ``verify_manifest`` and whose ``policy/`` weights pass ``weights_problems``, and one
+    line per damaged newer one that was skipped (each also logged as a warning)."""
     skipped: list[str] = []
-    for ckpt in sorted(candidates, reverse=True):
+    for ckpt in sorted(candidates, key=_order, reverse=True):
         try:
             verify_manifest(ckpt)
+            problems = weights_problems(ckpt / POLICY_DIR, required=True)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise CheckpointError(problems[0] + more)
             return ckpt, skipped
         except CheckpointError as e:
             skipped.append(str(e))
             log.warning("skipping damaged checkpoint %s: %s", ckpt.name, e)
     return None, skipped
+
+
+# ----------------------------------------------------------------------------------------------------- weights
+INDEX_FILE = "model.safetensors.index.json"
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+               "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def safetensors_problem(path: str | Path) -> str | None:
+    """Why the safetensors file ``path`` cannot be loaded, naming it, or None. Reads the header only: 8 bytes of
+    little-endian length, that many bytes of a JSON object giving each tensor's ``dtype``, ``shape`` and
+    ``data_offsets`` into the data that follows, which the tensors must fill exactly, one after the other (what
+    the safetensors library checks when it opens the file; an engine failing to open it names no file)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path}: truncated safetensors file: {size} bytes, not even the 8-byte header length"
+            header_len = int.from_bytes(head, "little")
+            if 8 + header_len > size:
+                return f"{path}: truncated safetensors file: {size} bytes, its header alone says {8 + header_len}"
+            raw = f.read(header_len)
+    except OSError as e:
+        return f"{path}: unreadable ({e.strerror or e})"
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        return f"{path}: not a safetensors file: its header is not JSON ({e})"
+    if not isinstance(header, dict):
+        return f"{path}: not a safetensors file: its header is a JSON {type(header).__name__}, not an object of tensors"
+    tensors = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = (int(v) for v in entry["data_offsets"])
+            shape = [int(d) for d in entry["shape"]]
+            dtype = str(entry["dtype"])
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return f"{path}: not a safetensors file: tensor {name!r} has no dtype, shape and two data offsets"
+        width = DTYPE_BYTES.get(dtype)
+        n = width * math.prod(shape) if width is not None else None
+        if start < 0 or end < start or (n is not None and end - start != n):
+            return (f"{path}: damaged safetensors file: tensor {name!r} ({dtype} {shape}) lies at bytes "
+                    f"{start}-{end} of its data")
+        tensors.append((start, end, name))
+    if not tensors:
+        return f"{path}: not a safetensors file: its header describes no tensors"
+    at = 0
+    for start, end, name in sorted(tensors):
+        if start != at:
+            return (f"{path}: damaged safetensors file: tensor {name!r} starts at byte {start} of its data, the "
+                    f"tensor before it ends at {at}")
+        at = end
+    expected = 8 + header_len + at
+    if size != expected:
+        what = "truncated" if size < expected else "damaged (padded)"
+        return f"{path}: {what} safetensors file: {size} bytes, its header describes {expected}"
+    return None
+
+
+def weights_problems(model_dir: str | Path, required: bool = False) -> list[str]:
+    """What is wrong with a model folder's safetensors weights, one line each naming the file: every shard its
+    ``model.safetensors.index.json`` names present, each ``*.safetensors`` file whole (``safetensors_problem``).
+    A folder without safetensors files is a problem only when ``required`` (a checkpoint's ``policy/``, always saved
+    as safetensors); else it is not judged here (another format)."""
+    model_dir = Path(model_dir)
+    problems = []
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shards = [str(s) for s in shards]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            problems.append(f"{index}: not a safetensors index ({type(e).__name__})")
+            shards = []
+        problems += [f"{model_dir / s}: missing (named by {index.name})" for s in shards
+                     if not (model_dir / s).is_file()]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if required and not files and not problems:
+        problems.append(f"{model_dir}: no *.safetensors weights")
+    for f in files:
+        why = safetensors_problem(f)
+        if why is not None:
+            problems.append(why)
+    return problems
 
 
 # keys the saved state depends on: a difference here fails inside DeepSpeed with dozens of size mismatches

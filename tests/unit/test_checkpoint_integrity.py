@@ -7,18 +7,25 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import save as safetensors_bytes
 
 from async_agent_rl.config import load_config
 from driver.cli import main
-from learner.checkpoint import CheckpointError, commit_checkpoint, config_differences, newest_intact, verify_manifest
+from learner.checkpoint import (
+    CheckpointError, commit_checkpoint, config_differences, newest_intact, verify_manifest, write_manifest,
+)
 
 pytestmark = pytest.mark.unit
 
 FILES = {
-    "policy/model.safetensors": os.urandom(4096),
+    "policy/model.safetensors": safetensors_bytes({"w": np.frombuffer(os.urandom(4096), dtype=np.float32)}),
     "policy/config.json": b'{"model_type": "qwen2", "hidden_size": 128}',
     "deepspeed/policy/mp_rank_00_model_states.pt": os.urandom(2048),
     "replay_buffer.snapshot": os.urandom(1024),
@@ -123,6 +130,104 @@ def test_commit_replaces_a_stale_folder_of_the_same_step(tmp_path):
     make_run(tmp_path, steps=(1,))  # the step redone after a fallback writes it again
     verify_manifest(run / "checkpoints" / "step_000001")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def header(value) -> bytes:
+    raw = json.dumps(value).encode()
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def resealed(damage):
+    """``damage`` applied to a checkpoint's policy folder, then the manifest written again over it: the checksums
+    pass, only the weight check can tell."""
+    def apply(ckpt: Path) -> None:
+        damage(ckpt / "policy")
+        write_manifest(ckpt)
+    return apply
+
+
+WEIGHTS = [
+    ("header []", resealed(lambda d: (d / "model.safetensors").write_bytes(header([]))),
+     "model.safetensors: not a safetensors file: its header is a JSON list"),
+    ("header {}", resealed(lambda d: (d / "model.safetensors").write_bytes(header({}))),
+     "model.safetensors: not a safetensors file: its header describes no tensors"),
+    ("truncated", resealed(lambda d: truncate(d / "model.safetensors")), "model.safetensors: truncated safetensors"),
+    ("shard missing", resealed(lambda d: (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"w": "model.safetensors", "v": "model-00002-of-00002.safetensors"}}))),
+     "model-00002-of-00002.safetensors: missing (named by model.safetensors.index.json)"),
+    ("no weights", resealed(lambda d: (d / "model.safetensors").unlink()), "policy: no *.safetensors weights"),
+]
+
+
+@pytest.mark.parametrize("damage,says", [w[1:] for w in WEIGHTS], ids=[w[0] for w in WEIGHTS])
+def test_resealed_damaged_weights_are_skipped_naming_the_file(tmp_path, capsys, damage, says):
+    """Until this commit weights damaged and resealed into the manifest passed ``newest_intact``, and the resume's
+    own weaker copy of the weight check ended in ``unexpected AttributeError`` (a header ``[]``) or let every actor
+    start and fail in ``Engine core initialization failed`` naming no file (a header ``{}``, a missing shard). A
+    resume now runs the one check ``eval --checkpoint`` runs: the newest checkpoint with whole weights is taken,
+    and with none, one ``error:`` line names the file."""
+    run = make_run(tmp_path)
+    damage(run / "checkpoints" / "step_000002")
+    verify_manifest(run / "checkpoints" / "step_000002")  # resealed: the checksums pass
+    picked, skipped = newest_intact((run / "checkpoints").glob("step_*"))
+    assert picked == run / "checkpoints" / "step_000001"
+    assert len(skipped) == 1 and str(run / "checkpoints" / "step_000002" / "policy") in skipped[0], skipped
+    assert says in skipped[0], skipped
+    damage(run / "checkpoints" / "step_000001")
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    assert "no intact checkpoint to resume from" in err and says in err, err
+
+
+CRASH = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    import learner.checkpoint as ck
+
+    tmp, final, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    ck._after = lambda step: os._exit(70) if step == point and point != "aside" else None
+    rename = os.rename
+
+    def rename_then_maybe_die(src, dst):
+        if point == "aside" and Path(src) == tmp:  # the old one is out of the way: the new one not yet in
+            os._exit(70)
+        rename(src, dst)
+
+    os.rename = rename_then_maybe_die
+    ck.commit_checkpoint(tmp, final)
+""")
+
+
+@pytest.mark.parametrize("point,kept", [("manifest", "old"), ("aside", "old"), ("in", "new"), ("removed", "new")])
+def test_a_checkpoint_replaced_is_whole_on_disk_at_every_moment(tmp_path, point, kept):
+    """Until this commit a step written again (the stall report's checkpoint after a resume) removed the old
+    folder and then renamed the new one in: a crash between the two left no checkpoint of the step. Now the old
+    one goes aside (``step_N.old``), the new one comes in, the old one goes; a process killed after each of these
+    leaves a complete checkpoint that the resume picks: the old one until the new one is in, then the new one."""
+    run = make_run(tmp_path, steps=(1, 2))
+    ckpts = run / "checkpoints"
+    tmp = ckpts / ".step_000002.tmp"
+    for rel, data in FILES.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_bytes(data)
+    (tmp / "driver_state.json").write_text(json.dumps({"step": 2, "version": "new"}))
+    load_config(run / "config.yaml").save(tmp / "config.yaml")
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", CRASH, str(tmp), str(ckpts / "step_000002"), point], cwd=repo,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 70, r.stderr  # killed at that point
+    picked, skipped = newest_intact(ckpts.glob("step_*"))
+    assert skipped == [] and picked is not None and picked.name.startswith("step_000002"), (picked, skipped)
+    verify_manifest(picked)
+    version = json.loads((picked / "driver_state.json").read_text())["version"]
+    assert version == (1 if kept == "old" else "new"), (point, picked)
+    # the next write of the step finishes the job: one step_000002, the new one, nothing aside
+    for rel, data in FILES.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_bytes(data)
+    commit_checkpoint(tmp, ckpts / "step_000002")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001", "step_000002"]
 
 
 def test_a_run_without_checkpoints_is_one_error_line(tmp_path, capsys):
