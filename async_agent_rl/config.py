@@ -591,6 +591,9 @@ class RunConfig(_Section):
     name: str = Field("quickstart", description="the run's folder under output_dir: one plain name, no path")
     output_dir: str = "runs"
     device: Literal["cpu", "cuda"] = "cpu"
+    delete_earlier_run: bool = Field(
+        False, description="a fresh run in a folder holding an earlier run's results deletes them; false: they move "
+        "to the next free RUN_DIR.N beside it (RUN_DIR.1, RUN_DIR.2, ...), nothing deleted")
 
     @field_validator("name")
     @classmethod

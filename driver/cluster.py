@@ -246,7 +246,9 @@ def ray_init(cfg: Config) -> None:
         check_address(cfg)
         if is_loopback(address.split("://", 1)[-1].rpartition(":")[0].strip("[]")):
             loopback_only()  # else Ray rewrites 127.0.0.1 to the host's address, where a loopback cluster is not
-        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+        # the actors' engine and library lines stay in the session's log folder (the run folder links it), as in
+        # a local run: forwarded, they were most of the console (196 of 260 lines for 10 steps)
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
     else:
         if cfg.run.device != "cpu":  # one machine: NCCL's bootstrap and socket transport stay on loopback too
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -276,20 +278,62 @@ def check_address(cfg: Config) -> None:
         check_answers(address, "cluster.ray_address" if cfg.cluster.ray_address else "RAY_ADDRESS")
 
 
-def check_answers(address: str, key: str) -> None:
-    """``InputError`` when nothing listens at the Ray address ``address`` (``host:port`` or ``ray://host:port``;
-    ``auto`` is Ray's to find): Ray itself retries such an address for many minutes, printing reconnect warnings."""
+def check_answers(address: str, key: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """``InputError`` naming the address unless a Ray cluster answers at ``address`` (``host:port`` or
+    ``ray://host:port``; ``auto`` is Ray's to find) within about ``timeout_s``: nothing listens there (refused), or
+    the port accepts connections but what answers is not Ray's GCS (a web server, another service) or nothing answers
+    at all (a stopped GCS). Ray itself retries such an address for many minutes, printing reconnect warnings and
+    deaf to SIGTERM: its GCS client waits up to ``py_gcs_connect_timeout_s`` per try, 20 tries."""
     if address == "auto":
         return
-    hostport = address.split("://", 1)[-1].rstrip("/")
+    scheme, _, hostport = address.rpartition("://")
+    hostport = hostport.rstrip("/")
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
         raise InputError(f"{key}={address!r}: not a Ray address (host:port, ray://host:port or auto)")
+    fix = "start one with `ray start --head` or fix the address"
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise InputError(f"{key}={address}: no Ray cluster answers there ({e.strerror or e}); start one with "
-                         "`ray start --head` or fix the address") from None
+        raise InputError(f"{key}={address}: no Ray cluster answers there ({e.strerror or e}); {fix}") from None
+    why = probe_gcs(hostport, timeout_s, client=scheme == "ray")
+    if why is not None:
+        raise InputError(f"{key}={address}: not a Ray cluster ({why}); {fix}")
+
+
+def probe_gcs(hostport: str, timeout_s: float, client: bool = False) -> str | None:
+    """None when Ray's GCS answers at ``hostport`` (a gRPC call of its own service, ``GetClusterId``; a GCS that wants
+    an authentication token refuses it, and that is its answer too), else why not, within ``timeout_s``. With
+    ``client``: a Ray Client server (``ray://``), judged by its gRPC handshake alone."""
+    import grpc
+
+    channel = grpc.insecure_channel(hostport)
+    try:
+        if client:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout_s)
+            except grpc.FutureTimeoutError:
+                return f"no gRPC answer within {timeout_s:g} s"
+            return None
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                return None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return (f"the port accepts connections but nothing answers within {timeout_s:g} s: a stopped or hung "
+                        "GCS, or another service")
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                return "a gRPC server answers, not Ray's GCS"
+            details = (e.details() or "").rpartition(": ")[2] or code.name
+            return f"what answers does not speak Ray's protocol: {details}"
+        return None
+    finally:
+        channel.close()
 
 
 def loopback_only() -> None:

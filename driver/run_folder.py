@@ -5,8 +5,10 @@ earlier run's results.
   second run aimed at the folder while the first runs is refused in one ``error:`` line naming the other's pid. The
   lock goes with the process, however it ends.
 - ``set_aside_earlier_run(run_dir)``: a fresh run in a folder that holds an earlier run's results (metrics,
-  evaluations, checkpoints, the final policy) moves them to ``<run_dir>.previous`` (replacing what was there) and
-  says so in one line, so running the same command twice keeps working and keeps the last run. A warm start the run
+  evaluations, checkpoints, the final policy) moves them to the next free numbered folder beside it,
+  ``<run_dir>.1``, ``<run_dir>.2``, ... (the highest number is the latest run; nothing there is ever replaced) and
+  says so in one line, so running the same command again and again keeps working and keeps every run. Deleting
+  them instead is the user's explicit choice (``delete=True``: ``run.delete_earlier_run``). A warm start the run
   made in the folder (``sft/``) stays: the next run reuses it.
 - ``read_metrics_lines(path)``: the lines of a run's ``metrics.jsonl`` for a resume, one ``error:`` line naming the
   file, the line and the byte when it is not UTF-8 text.
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from async_agent_rl.errors import InputError
+from learner.checkpoint import weights_problems
 
 LOCK_FILE = ".run.lock"
 RESULTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints", "final")  # what makes a folder a run's
@@ -52,30 +55,59 @@ def hold(run_dir: Path) -> Iterator[None]:
         f.close()  # releases the lock; the file stays (its pid is the last holder's)
 
 
-def set_aside_earlier_run(run_dir: Path) -> str | None:
-    """Move an earlier run's results out of ``run_dir`` (see the module docstring); the line to say, or None when
-    there was none."""
+def set_aside_earlier_run(run_dir: Path, delete: bool = False) -> str | None:
+    """Move an earlier run's results out of ``run_dir`` into the next free ``<run_dir>.N`` (or delete them, when
+    ``delete``: ``run.delete_earlier_run``; see the module docstring); the line to say, or None when there was
+    none."""
     if not any(_holds_something(run_dir / name) for name in RESULTS):
         return None
     finished = (run_dir / "summary.json").is_file()
-    aside = run_dir.with_name(run_dir.name + ".previous")
-    if aside.is_symlink() or aside.is_file():
-        aside.unlink()
-    elif aside.exists():
-        shutil.rmtree(aside)
-    aside.mkdir(parents=True)
-    for entry in run_dir.iterdir():
-        if entry.name in KEPT or not _holds_something(entry):
-            continue  # an empty folder made ahead of the run (a checkpoints folder on another disk) stays
+    what = "a finished run" if finished else "an unfinished run (no summary.json)"
+    warm = ", reusing the warm start in sft/" if (run_dir / "sft").is_dir() else ""
+    entries = [e for e in run_dir.iterdir() if e.name not in KEPT and _holds_something(e)]
+    # (an empty folder made ahead of the run, a checkpoints folder on another disk, stays)
+    if delete:
+        for entry in entries:  # a mounted file system stays where it is: its contents go
+            for target in (list(entry.iterdir()) if os.path.ismount(entry) else [entry]):
+                _remove(target)
+        return (f"{run_dir} held {what}: its results were deleted (run.delete_earlier_run); this run starts "
+                f"afresh{warm}")
+    aside = _next_free(run_dir)
+    for entry in entries:
         if os.path.ismount(entry):  # a file system mounted there cannot be renamed: its contents move
             (aside / entry.name).mkdir()
             for child in entry.iterdir():
                 shutil.move(str(child), str(aside / entry.name / child.name))
         else:
             entry.rename(aside / entry.name)
-    what = "a finished run" if finished else "an unfinished run (no summary.json)"
-    return (f"{run_dir} held {what}: its results moved to {aside} (replacing what was there); this run starts "
-            "afresh" + (", reusing the warm start in sft/" if (run_dir / "sft").is_dir() else ""))
+    return (f"{run_dir} held {what}: its results moved to {aside} (kept; run.delete_earlier_run=true deletes them "
+            f"instead); this run starts afresh{warm}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def earlier_runs(run_dir: Path) -> list[Path]:
+    """The folders ``set_aside_earlier_run`` moved earlier runs of ``run_dir`` to, oldest first."""
+    numbered = [(int(p.name[len(run_dir.name) + 1:]), p) for p in run_dir.parent.glob(f"{run_dir.name}.*")
+                if p.name[len(run_dir.name) + 1:].isdigit() and p.is_dir()]  # fmt: skip
+    return [p for _, p in sorted(numbered)]
+
+
+def _next_free(run_dir: Path) -> Path:
+    """A new empty ``<run_dir>.N``, N one above the highest there (made here: two callers never get the same)."""
+    n = max((int(p.name[len(run_dir.name) + 1:]) for p in earlier_runs(run_dir)), default=0) + 1
+    while True:
+        aside = run_dir.with_name(f"{run_dir.name}.{n}")
+        try:
+            aside.mkdir()
+            return aside
+        except FileExistsError:  # a file of that name, or a folder made meanwhile
+            n += 1
 
 
 def _holds_something(path: Path) -> bool:
@@ -101,38 +133,13 @@ def read_metrics_lines(path: Path) -> list[str]:
 
 
 def check_safetensors(path: Path) -> None:
-    """``InputError`` naming ``path`` and what is wrong when it is not a whole safetensors file: its header length,
-    JSON header and tensor offsets must fit the file, the tensors filling its data exactly (weights damaged and then
-    resealed into the checkpoint's manifest pass the checksums; loading them failed deep inside an engine)."""
-    import json
-    import struct
-
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise InputError(f"{path}: damaged safetensors file ({size} bytes, shorter than its header length)")
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            raise InputError(f"{path}: damaged safetensors file (its header says {n} bytes of header, the file has "
-                             f"{size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise InputError(f"{path}: damaged safetensors file (its header is not JSON: {e})") from None
-    data = size - 8 - n
-    ends = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            start, end = entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise InputError(f"{path}: damaged safetensors file (tensor {name!r} has no data offsets)") from None
-        if not 0 <= start <= end <= data:
-            raise InputError(f"{path}: damaged safetensors file (tensor {name!r} lies at bytes {start}-{end} of "
-                             f"{data} bytes of data)")
-        ends.append(end)
-    if max(ends, default=0) != data:
-        raise InputError(f"{path}: damaged safetensors file ({data} bytes of data, its tensors end at byte "
-                         f"{max(ends, default=0)})")
+    """``InputError`` naming the damaged or missing file when the weights of the folder holding ``path`` (a
+    checkpoint's ``policy/model.safetensors``) are not whole: ``path`` and every other ``*.safetensors`` file there
+    whole, every shard its ``model.safetensors.index.json`` lists present. The one check of weights
+    (``learner.checkpoint.weights_problems``), which ``eval --checkpoint`` and the choice of the checkpoint to resume
+    from (``newest_intact``) run too: weights damaged and then resealed into a checkpoint's manifest pass its
+    checksums, and loading them failed deep inside an engine, naming no file."""
+    problems = ([] if path.is_file() else [f"{path}: missing"]) + weights_problems(path.parent, required=True)
+    if problems:
+        more = f" (and {len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
+        raise InputError(problems[0] + more)
