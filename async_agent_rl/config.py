@@ -548,6 +548,8 @@ class ClusterConfig(_Section):
     num_cpus: Optional[int] = Field(None, ge=1)
     rollout_actor_cpus: float = Field(0.5, ge=0)
     rollout_actor_gpus: float = Field(0.0, ge=0)
+    episodes_per_step: int = Field(4, ge=0, description="training episodes kept per learner step in RUN_DIR/episodes/ "
+                                   "for the run viewer (`async-agent-rl view`); 0 = none")
     learner_cpus: float = Field(0.5, ge=0)
     learner_gpus: float = Field(0.0, ge=0)
     buffer_cpus: float = Field(0.0, ge=0)

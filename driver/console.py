@@ -137,6 +137,9 @@ def closing_lines(summary: dict, start: dict | None, end: dict | None, plots: li
                 f"[done] {name:<14} exact match {a['exact_match']:.3f} -> {b['exact_match']:.3f} "
                 f"({b['exact_match'] - a['exact_match']:+.3f})   searches/question {a['searches_per_question']:.2f} "
                 f"-> {b['searches_per_question']:.2f}   (n={b['n']})")
+    if summary.get("dropped_at_stop"):
+        lines.append(f"[done] {summary['dropped_at_stop']} finished trajectories dropped at the stop: the buffer was "
+                     "full and the learner done")
     lines.append(f"[done] results in {run_dir}: summary.json, metrics.jsonl, eval.jsonl, final/, {LOG_FILE}")
     if plots:
         lines.append(f"[done] plots: {', '.join(str(p) for p in plots)}")

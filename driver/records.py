@@ -179,6 +179,7 @@ class Records:
             "final_policy": str(Path(final) / "policy"),
             "episodes": self.history[-1]["episodes_total"] if self.history else 0,
             "episodes_failed": sum(r.failed for r in rollout),
+            "dropped_at_stop": sum(r.dropped_at_stop for r in rollout),  # finished, refused by a full buffer at stop
             "searches": self.history[-1]["searches_total"] if self.history else 0,
             "search_errors": self.history[-1]["search_errors_total"] if self.history else 0,
             "actor_restarts": dict(self.fleet.restarts),

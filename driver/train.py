@@ -12,15 +12,14 @@ The driver's loop, top to bottom (``Trainer.run``, each step ``Trainer.train_ste
                           publish if due: every k steps the learner bumps its version and the weights reach every
                           actor (``driver/versions.py``, the one holder of the policy version and the learner step)
                           check the fleet: dead or stuck rollout actors restarted, the retriever kept up (fleet.py)
-                          record: metrics.jsonl, the console line (records.py); checkpoint if due (checkpoints.py)
+                          record: metrics.jsonl, the console line, the episode sample; checkpoint if due
                           evaluate if due, on rollout actor 0 or beside training (evaluation.py)
     stop rollouts, evaluate (end), save the final policy, plots
 
-Around the loop: a stop request (SIGINT, SIGTERM) ends it at the next safe point with a checkpoint
-(``driver/stops.py``); a lost node holding the learner or the buffer ends it in one line (``driver/nodes.py``); a step
-that does not come within the watchdog's limit (``driver/limits.py``) ends it with the fleet's report of every
-component. Everything the run produces lands in ``run_dir`` (``run.output_dir/run.name``): ``config.yaml``
-(resolved), ``metrics.jsonl`` (one line per step), ``eval.jsonl``, ``checkpoints/``, ``final/``, ``plots/*.png``.
+Around the loop: a stop request (SIGINT, SIGTERM) ends it at the next safe point with a checkpoint (stops.py); a
+lost node holding the learner or the buffer ends it in one line (nodes.py); a step late past the watchdog's limit
+(limits.py) ends it with the fleet's report. The run's files land in ``run_dir``: ``config.yaml``, ``metrics.jsonl``,
+``eval.jsonl``, ``episodes/`` (a sample per step, for ``async-agent-rl view``), ``checkpoints/``, ``final/``, ``plots/``.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from ray.exceptions import GetTimeoutError
 from actors.rollout_actor import create_evaluator, create_rollout_actors
 from async_agent_rl.config import Config
 from async_agent_rl.stats import LearnerStats, RolloutStats
+from async_agent_rl.waits import WaitTimeout, call_within
 from async_agent_rl.weight_group import backend_for
 from buffer.actor import create_buffer_actor
 from driver.checkpoints import Checkpoints
@@ -64,6 +64,7 @@ from driver.stops import StopRequested, StopRequests
 from driver.versions import PolicyVersions
 from driver.weight_sync import create_publisher
 from learner.actor import create_learner_group
+from monitoring.episode_sample import EpisodeSample
 from monitoring.exporter import RunMonitoring
 from retriever.server import ServerProcess, exposure_warning, spawn_server
 
@@ -81,16 +82,9 @@ def _shutdown_ray() -> None:
     line. If it does not return within ``RAY_SHUTDOWN_S``, the run ends anyway (the CLI exits at once after its
     last line) and the run's reaper ends what is left of the cluster."""
     global ray_shutdown_stuck
-    done = threading.Event()
-
-    def shut() -> None:
-        try:
-            ray.shutdown()
-        finally:
-            done.set()
-
-    threading.Thread(target=shut, name="ray-shutdown", daemon=True).start()
-    if not done.wait(RAY_SHUTDOWN_S):
+    try:
+        call_within(ray.shutdown, timeout_s=RAY_SHUTDOWN_S, what="ray.shutdown()")
+    except WaitTimeout:
         ray_shutdown_stuck = True
         log.warning("ray.shutdown() did not return within %.0f s; the run's reaper ends the cluster's processes",
                     RAY_SHUTDOWN_S)
@@ -109,6 +103,7 @@ class Trainer:
         self.versions = PolicyVersions(cfg, None, None, self.log.say)  # the learner and publisher once started
         self.fleet: Fleet | None = None
         self.mon: RunMonitoring | None = None
+        self.episodes: EpisodeSample | None = None
         self.learner: Any = None
         self.buffer: Any = None
         self.url = cfg.retriever.url
@@ -127,8 +122,7 @@ class Trainer:
         return self.versions.learner_step
 
     @property
-    def actors(self) -> list[Any]:
-        """The rollout actors the run has (those given up after a node loss left out)."""
+    def actors(self) -> list[Any]:  # the rollout actors the run has (those given up after a node loss left out)
         return [a for _, a in self.fleet.active]
 
     # --------------------------------------------------------------------------------------------- the loop
@@ -195,6 +189,8 @@ class Trainer:
         publish = self.versions.stepped(metrics.step)  # the learner's step; its weights published when due
         rollout = self.fleet.supervise()
         self.records.step(self.step, metrics, publish, rollout, wait_s, t0)
+        if self.episodes is not None:  # the batch just trained on, before the next step's sample replaces it
+            self.episodes.record(self.step, self.buffer.latest_batch.remote(self.episodes.per_step))
         if self.checkpoints.due(self.step):
             self.checkpoint()  # after the step's metrics line: a resume keeps exactly the lines up to here
 
@@ -239,6 +235,8 @@ class Trainer:
                 self.log.say(f"[warn] {exposed}")
             self.mon = start_monitoring(cfg, self.run_dir, self.url, stack, self.log.say)
             self.buffer = create_buffer_actor(cfg, pad_id=pad.result())
+            n = cfg.monitoring.episodes_per_step  # a sample of each step's batch for the run viewer
+            self.episodes = EpisodeSample(self.run_dir, self.policy_path, per_step=n) if n else None
             actor_model = self.policy_path
             if self.resume_from is not None:  # the actors start at the learner's restored version
                 self.learner = self.versions.learner = started(cfg, learner.result)

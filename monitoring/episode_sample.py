@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from async_agent_rl.episode import parse_action
 from async_agent_rl.records import RecordError, Trajectory
+from async_agent_rl.waits import bounded
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class EpisodeSample:
 
         if not isinstance(trajectories, ray.ObjectRef):  # never ray.get anything else (it would start Ray)
             raise TypeError(f"expected a list of trajectories or a Ray object reference, got {type(trajectories).__name__}")
-        got = ray.get(trajectories, timeout=self.timeout_s)
+        got = bounded(ray.get, trajectories, timeout_s=self.timeout_s, what="the training episodes' sample")
         return list(got or [])
 
 

@@ -67,3 +67,32 @@ def test_a_failed_publish_is_one_fault_line_and_no_logging_warning_saying_it_aga
                     "device"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
     assert [r.getMessage() for r in caplog.records] == [said[0].removeprefix("[fault] ")]  # the log file's copy
+
+
+def test_the_closing_lines_count_trajectories_dropped_at_the_stop():
+    """A run that ends with a full buffer drops what the buffer still refuses at once (the workers count it): the
+    summary adds the actors' counts and the closing lines say it, and say nothing when none was dropped."""
+    from pathlib import Path
+
+    from async_agent_rl.stats import RolloutStats
+    from driver.console import closing_lines
+    from driver.records import Records
+
+    class Log:
+        said: list[str] = []
+
+        def say(self, line: str) -> None:
+            self.said.append(line)
+
+    records = Records.__new__(Records)  # only summary()'s inputs
+    records.history, records.log, records.mon = [], Log(), None
+    records.versions = type("V", (), {"version": 3})()
+    records.fleet = type("F", (), {"restarts": {}, "lost_episodes": 0, "retriever": None})()
+    rollout = [RolloutStats(index=0, dropped_at_stop=5), RolloutStats(index=1, dropped_at_stop=2)]
+    summary = records.summary("run", 3, None, None, rollout, 10.0, "run/final", None)
+    assert summary["dropped_at_stop"] == 7
+    lines = closing_lines(summary, None, None, [], Path("run"))
+    assert [line for line in lines if "dropped at the stop" in line] == [
+        "[done] 7 finished trajectories dropped at the stop: the buffer was full and the learner done"]
+    summary["dropped_at_stop"] = 0
+    assert not [line for line in closing_lines(summary, None, None, [], Path("run")) if "dropped" in line]
