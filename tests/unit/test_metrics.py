@@ -456,6 +456,61 @@ def test_dashboard_json_is_built_from_the_script():
     assert build_dashboard.main(["--check"]) == 0
 
 
+def test_committed_dashboard_decodes_through_the_sdk_types_and_round_trips():
+    """The committed JSON read back through grafana-foundation-sdk's model types: every panel's options, field config
+    and queries land in their typed classes (not the SDK's bags for unknown plugins), and encoding the model gives
+    the same JSON (a field the schema does not know would be dropped)."""
+    from grafana_foundation_sdk.cog.runtime import UnknownDataquery
+    from grafana_foundation_sdk.models import dashboard as gd, prometheus as gp, stat as gs, timeseries as gt
+
+    data = json.loads(DASHBOARD.read_text())
+    model = build_dashboard.decode(data)
+    assert build_dashboard.to_dict(model) == data
+    assert model.schema_version == 39 and model.uid == "async-agent-rl"
+    kinds = {"stat": (gs.Options, type(None)), "timeseries": (gt.Options, gt.FieldConfig)}
+    panels = [p for p in model.panels if isinstance(p, gd.Panel)]
+    assert [p.type_val for p in panels] == ["stat"] * 6 + ["timeseries"] * (len(panels) - 6)
+    for p in panels:
+        options, custom = kinds[p.type_val]
+        assert isinstance(p.options, options), p.title
+        assert isinstance(p.field_config.defaults.custom, custom), p.title
+        assert p.targets and all(isinstance(t, gp.Dataquery) and not isinstance(t, UnknownDataquery)
+                                 for t in p.targets), p.title
+    assert [r.title for r in model.panels if isinstance(r, gd.RowPanel)] == [s for s, _ in build_dashboard.SECTIONS]
+
+
+def test_dashboard_check_rejects_a_stale_or_unknown_field(tmp_path, capsys):
+    data = json.loads(DASHBOARD.read_text())
+    data["panels"][1]["targets"][0]["exprr"] = data["panels"][1]["targets"][0].pop("expr")  # a field no schema has
+    bad = tmp_path / "dashboard.json"
+    bad.write_text(json.dumps(data, indent=2) + "\n")
+    assert build_dashboard.main(["--check", "--out", str(bad)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: {bad} does not round-trip through the SDK's Dashboard model (a field it does not know?)",
+                   f"error: {bad} is out of date: run python monitoring/build_dashboard.py"]
+    bad.write_text(DASHBOARD.read_text().replace('"max(aar_learner_step)"', '"max(aar_learner_version)"'))
+    assert build_dashboard.main(["--check", "--out", str(bad)]) == 1
+    assert capsys.readouterr().err.strip() == f"error: {bad} is out of date: run python monitoring/build_dashboard.py"
+    bad.write_text("{")
+    assert build_dashboard.main(["--check", "--out", str(bad)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {bad} cannot be read as JSON")
+
+
+def test_dashboard_names_metrics_only_through_their_definitions():
+    """No metric name written out in build_dashboard.py: aar_* come from monitoring.metrics (as docs/METRICS.md),
+    and the retriever's families, named once there, are retriever.server's."""
+    source = (REPO / "monitoring" / "build_dashboard.py").read_text()
+    assert not re.findall(r"[\"']aar_", source)
+    s = retriever_server
+    assert (build_dashboard.RETRIEVER_REQUESTS, build_dashboard.RETRIEVER_QUERIES, build_dashboard.RETRIEVER_BATCH_QUERIES,
+            build_dashboard.RETRIEVER_REQUEST_LATENCY, build_dashboard.RETRIEVER_BACKEND_LATENCY,
+            build_dashboard.RETRIEVER_TOOL_LIMIT_WAITS, build_dashboard.RETRIEVER_TOOL_INFLIGHT,
+            build_dashboard.RETRIEVER_SIMULATED_TIMEOUTS) == (
+        s.REQUESTS, s.QUERIES, s.BATCH_QUERIES, s.REQUEST_LATENCY, s.BACKEND_LATENCY, s.TOOL_LIMIT_WAITS,
+        s.TOOL_INFLIGHT, s.SIMULATED_TIMEOUTS)
+    assert len(re.findall(r"[\"']retriever_", source)) == 8
+
+
 def _retriever_names() -> set[str]:
     s = retriever_server
     return {s.REQUESTS + "_total", s.QUERIES + "_total", s.ERRORS + "_total", s.BATCH_QUERIES, s.REQUEST_LATENCY,
