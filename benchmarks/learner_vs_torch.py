@@ -30,9 +30,10 @@ Correctness: every arm starts from the same weights and takes one step on the sa
 ``check`` per learner arm gives its and the bare loop's policy loss and gradient norm and the largest parameter
 difference after that step. Timing: ``--steps`` rounds after ``--warmup`` warm-up steps of each arm, each arm once a
 round, the order rotated every round, ``--threads`` torch intra-op threads (1: the learner's Ray actor's). Per step:
-wall seconds, CPU seconds of this process (robust to other load on a shared machine) and non-padding tokens;
-reported: medians, tokens per wall second and per CPU second of each arm, and the ratios learner / bare (and the
-median of the per-round ratios of wall times: the steps of a round run back to back).
+wall seconds, CPU seconds of this process (robust to other load on a shared machine), of them the system's, minor
+page faults, and non-padding tokens; reported: medians, tokens per wall second and per CPU second of each arm, and
+the ratios learner / bare (and the median of the per-round ratios of wall times: the steps of a round run back to
+back).
 
 ``--profile``: after the timing, two more steps of each arm with phase timers in CPU seconds of the main thread
 (targets: the proximal pass and the advantages; forward: the policy's forward with grad and the log-probs;
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -234,6 +236,13 @@ def timed_call(fn: Callable[[], Any]) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
+def kernel_share() -> tuple[float, int]:
+    """(system CPU seconds, minor page faults) of this process so far: a fresh buffer of N bytes costs about
+    N / 4096 minor faults and their system time when it is first written."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_stime, usage.ru_minflt
+
+
 def thread_cpu_call(fn: Callable[[], Any]) -> float:
     """CPU seconds of this thread (where torch computes with one intra-op thread) in one call."""
     t0 = time.thread_time()
@@ -381,18 +390,27 @@ def bench_model(name: str, model: Path, shape: dict[str, int], args: argparse.Na
 
     walls: dict[str, list[float]] = {arm: [] for arm in arms}
     cpus: dict[str, list[float]] = {arm: [] for arm in arms}
+    kernel: dict[str, list[tuple[float, int]]] = {arm: [] for arm in arms}
     for i in range(args.steps):
         for arm in rotated(arms, i):
+            sys0, faults0 = kernel_share()
             wall, cpu = timed_call(runs[arm])
+            sys1, faults1 = kernel_share()
             walls[arm].append(wall)
             cpus[arm].append(cpu)
+            kernel[arm].append((sys1 - sys0, faults1 - faults0))
         print(json.dumps({"bench": "round", "model": name, "round": i, "order": rotated(arms, i),
                           **{f"{arm}_s": walls[arm][-1] for arm in arms},
-                          **{f"{arm}_cpu_s": cpus[arm][-1] for arm in arms}}), flush=True)
+                          **{f"{arm}_cpu_s": cpus[arm][-1] for arm in arms},
+                          **{f"{arm}_sys_s": kernel[arm][-1][0] for arm in arms},
+                          **{f"{arm}_minor_faults": kernel[arm][-1][1] for arm in arms}}), flush=True)
     summary = {arm: median_summary(walls[arm], cpus[arm], tokens) for arm in arms}
+    for arm in arms:
+        summary[arm]["sys_s_per_step"] = statistics.median(k[0] for k in kernel[arm])
+        summary[arm]["minor_faults_per_step"] = statistics.median(k[1] for k in kernel[arm])
     result: dict[str, Any] = {"model": name, "parameters": n_params, "vocab": vocab, "shape": shape,
                               "tokens_per_step": tokens, "steps": args.steps, "summary": summary, "ratio": {},
-                              "checks": checks, "walls": walls, "cpus": cpus}
+                              "checks": checks, "walls": walls, "cpus": cpus, "kernel": kernel}
     for arm in learners:
         result["ratio"][arm] = ratios(summary[arm], summary["bare"], list(zip(walls[arm], walls["bare"])))
         print(json.dumps({"bench": "learner_vs_torch", "model": name, "arm": arm, "parameters": n_params,
