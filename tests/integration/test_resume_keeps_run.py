@@ -149,3 +149,46 @@ def test_a_resume_trains_what_was_ready_regenerates_what_was_in_flight_and_keeps
     new = [pid for actor, gid, pid in record["admitted"] if actor == "actor0"]
     assert len(new) >= 3 and new[:3] == [next(source).id for _ in range(3)]
     assert second.taken_up[0]["cursor"] == cursor
+
+
+@pytest.mark.timeout(1500)
+def test_crash_fresh_fresh_keeps_every_earlier_checkpoint(tmp_path, world_dir, tiny_model_dir):
+    """Until 60e3570 (2026-12-07) a fresh start moved the run before it to ``<run>.previous`` "(replacing what was
+    there)": a run killed after its checkpoint of step 2, then two fresh starts of the same command, and the killed
+    run's checkpoints were gone. Each earlier run now goes to a numbered folder of its own, said in one line."""
+    import os
+
+    from learner.checkpoint import verify_manifest
+    from tests.helpers import Run
+
+    def train(*extra: str) -> Run:
+        return Run([sys.executable, "-m", "driver.cli", "train", "--config", str(REPO / "configs/quickstart.yaml"),
+                    "learner.batch_size=8", "learner.mini_batch_size=8", "learner.micro_batch_size=8",
+                    "rollout.group_size=4", "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0",
+                    "monitoring.enabled=false", "sft.enabled=false", "buffer.group_filter=none",
+                    "learner.checkpoint_every=2", f"run.output_dir={tmp_path}", "run.name=run",
+                    *world_overrides(world_dir, tiny_model_dir), *extra])  # fmt: skip
+
+    run_dir = tmp_path / "run"
+    crashed = train("learner.total_steps=6")
+    try:
+        deadline = time.monotonic() + 900
+        while not (run_dir / "checkpoints" / "step_000002").is_dir():
+            assert crashed.proc.poll() is None and time.monotonic() < deadline, crashed.text()
+            time.sleep(0.5)
+        os.kill(crashed.proc.pid, signal.SIGKILL)  # the driver, as the issue did; its reaper ends the rest
+        crashed.proc.wait(60)
+    finally:
+        crashed.kill()
+    for n in (1, 2):
+        fresh = train("learner.total_steps=2")
+        try:
+            assert fresh.finish(900) == 0, fresh.text()
+        finally:
+            fresh.kill()
+        said = [x for x in fresh.out if x.startswith(f"[run] {run_dir} held ")]
+        assert len(said) == 1 and f"its results moved to {tmp_path / f'run.{n}'} (kept;" in said[0], fresh.text()
+    for folder in (tmp_path / "run.1", tmp_path / "run.2", run_dir):
+        verify_manifest(folder / "checkpoints" / "step_000002")  # every run's checkpoint, whole
+    assert not (tmp_path / "run.1" / "summary.json").exists(), "run.1 is the killed run"
+    assert (tmp_path / "run.2" / "summary.json").is_file() and (run_dir / "summary.json").is_file()
