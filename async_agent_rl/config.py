@@ -344,6 +344,13 @@ class AlgorithmConfig(_Section):
     vf_coef: float = Field(0.5, ge=0)
     value_clip: float = Field(0.2, ge=0)
     mask_observations: bool = Field(True, description="observation tokens take no loss (Search-R1's ablation knob)")
+    proximal: Literal["recompute", "skip_fresh", "interpolate", "behavior"] = Field(
+        "skip_fresh", description="where decoupled_ppo's proximal log-probs come from (docs/ALGORITHMS.md section 3): "
+        "recompute: a no-grad forward pass every step; skip_fresh: no pass for a batch whose loss tokens are all "
+        "fresh (proximal := behavior, exact up to the engine/trainer mismatch; never with icepop_band or "
+        "behavior_weight_floor, which judge that mismatch), the pass otherwise; interpolate: no pass, AReaL's "
+        "log-linear interpolation between behavior and live log-probs by version; behavior: no pass, proximal := "
+        "behavior (verl's bypass: the PPO clip of live / behavior is the only correction)")
 
     @field_validator("icepop_band")
     @classmethod
@@ -351,6 +358,17 @@ class AlgorithmConfig(_Section):
         if v is not None and not 0 <= v[0] < 1 < v[1]:
             raise ValueError(f"needs [low, high] with 0 <= low < 1 < high, got [{v[0]}, {v[1]}]")
         return v
+
+    @model_validator(mode="after")
+    def _proximal(self) -> "AlgorithmConfig":
+        if self.proximal in ("interpolate", "behavior"):
+            if self.policy_loss != "decoupled_ppo":
+                raise ValueError(f"proximal={self.proximal} needs policy_loss=decoupled_ppo ({self.policy_loss} has no "
+                                 "proximal policy)")
+            if not self.mask_observations:
+                raise ValueError(f"proximal={self.proximal} needs mask_observations=true (an observation taking the "
+                                 "loss was never sampled: it has no behavior log-prob to stand for its proximal one)")
+        return self
 
 
 class RewardTerm(_Section):

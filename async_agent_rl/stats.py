@@ -325,6 +325,7 @@ class LearnerStats:
     seq_log_ratio_mean: Optional[float] = None
     seq_log_ratio_max: Optional[float] = None
     fresh_token_fraction: Optional[float] = None
+    proximal_pass_skipped: Optional[float] = None  # 1: no proximal forward pass this step (algorithm.proximal), else 0
     grad_norm: Optional[float] = None
     critic_grad_norm: Optional[float] = None
     extra: dict[str, float] = field(default_factory=dict)
@@ -428,6 +429,10 @@ LEARNER_METRICS: tuple[LearnerMetric, ...] = (
                   "aar_learner_seq_log_ratio_max"),
     LearnerMetric("fresh_token_fraction", "fraction of sampled tokens that are fresh (their version is the proximal "
                   "policy's)", "", "aar_learner_fresh_token_fraction"),
+    LearnerMetric("proximal_pass_skipped", "learner steps whose proximal log-probs took no forward pass "
+                  "(algorithm.proximal: an all-fresh batch under skip_fresh, every step under interpolate or behavior; "
+                  "over aar_learner_steps_total: the skipped fraction)", "", "aar_learner_proximal_pass_skipped_total",
+                  "counter"),
     LearnerMetric("grad_norm", "policy gradient norm before clipping, mean over the step's optimizer updates", "",
                   "aar_learner_grad_norm"),
     LearnerMetric("critic_grad_norm", "critic gradient norm before clipping (gae only)", "",

@@ -3,7 +3,8 @@
 One ``train_step(batch)`` (docs/ALGORITHMS.md sections 2-3)::
 
     window     response positions p0..L-1 of the batch (p0 = shortest prompt), loss mask, behavior log-probs
-    no grad    proximal_logprobs  <- policy with the current weights        (skipped for plain ``ppo``)
+    no grad    proximal_logprobs  <- policy with the current weights        (skipped for plain ``ppo``, and as
+                                                                             ``algorithm.proximal`` says)
                ref_logprobs       <- frozen reference model                  (when ``algorithm.kl_coef > 0``)
                values             <- critic                                  (``advantage_estimator == "gae"``)
     targets    advantages, returns <- compute_advantages over the full batch (outcome reward on the last action token)
@@ -50,6 +51,12 @@ once, in ``async_agent_rl.stats.LEARNER_METRICS`` (``docs/METRICS.md`` lists the
 have no field are declared in ``async_agent_rl.stats.LEARNER_EXTRA_KEYS`` (``vf_clip_frac``, the critic's clip
 fraction) and go to ``LearnerStats.extra``.
 
+Proximal log-probs without the pass (``algorithm.proximal``, ``algorithms.proximal``): ``skip_fresh`` (default)
+takes the behavior log-probs for a batch whose loss tokens are all fresh (below), exact up to the engine/trainer
+mismatch; ``interpolate`` makes them per micro-batch from the live forward's detached log-probs and the token
+versions (AReaL's log-linear interpolation, ``proximal_version_clock``); ``behavior`` always takes the behavior
+log-probs (verl's bypass). ``proximal_pass_skipped`` (1/0 per step) says which steps ran no pass.
+
 Mismatch apart from staleness (``algorithms.mismatch``), every step with a proximal pass: over the sampled tokens
 whose version is the proximal policy's (*fresh*: ``proximal_version()``, the published version the learner's weights
 are, None once they moved since a publish) the KL and mean absolute log-prob difference between behavior and
@@ -85,6 +92,7 @@ from async_agent_rl.algorithms import (
     mismatch_metrics,
     place_outcome_rewards,
 )
+from async_agent_rl.algorithms.proximal import all_loss_tokens_fresh, interpolated_proximal, interpolation_alpha
 from async_agent_rl.batch import TrainBatch
 from async_agent_rl.config import Config, LearnerConfig, is_loopback
 from async_agent_rl.errors import InputError
@@ -242,8 +250,10 @@ class _Window:
 @dataclass
 class _Targets:
     """Per-token constants of one step, ``(B, T)`` like ``_Window``; None where not used. ``proximal_logprobs``,
-    ``ref_logprobs``: this rank's rows only (others 0); ``values``: the critic's ``V`` the advantages were computed
-    with."""
+    ``ref_logprobs``: this rank's rows only (others 0) when recomputed; ``values``: the critic's ``V`` the advantages
+    were computed with. ``interpolation_alpha`` (``algorithm.proximal: interpolate``): the proximal log-probs are
+    made per micro-batch from the live ones (``_proximal_of``), ``proximal_logprobs`` is None. ``proximal_pass``:
+    whether this step ran the proximal forward pass."""
 
     behavior_logprobs: Tensor
     proximal_logprobs: Optional[Tensor]
@@ -251,10 +261,14 @@ class _Targets:
     advantages: Tensor
     returns: Tensor
     values: Optional[Tensor]
+    interpolation_alpha: Optional[Tensor] = None
+    proximal_pass: bool = False
 
     def rows(self, rows: Tensor, width: int) -> "_Targets":
-        return _Targets(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows, :width])
-                           for f in fields(self)})
+        def cut(v: Any) -> Any:
+            return v[rows, :width] if isinstance(v, Tensor) else v
+
+        return _Targets(**{f.name: cut(getattr(self, f.name)) for f in fields(self)})
 
 
 class _Metrics:
@@ -485,9 +499,16 @@ class Learner:
             full[own] = self._no_grad_pass(lambda w_, r: self._policy_forward(model, w_, r, False)[0], w, own)
             return full
 
-        proximal_logprobs = own_rows(self.policy.engine) if self.needs_proximal else None
+        proximal_logprobs, alpha, proximal_pass = None, None, False
+        if self.needs_proximal:  # algorithm.proximal (docs/ALGORITHMS.md section 3, "Proximal policy")
+            if alg.proximal == "behavior" or (alg.proximal == "skip_fresh" and self.proximal_skip_is_exact(w)):
+                proximal_logprobs = w.behavior_logprobs
+            elif alg.proximal == "interpolate":
+                alpha = interpolation_alpha(w.versions, w.generated, *self.proximal_version_clock())
+            else:
+                proximal_logprobs, proximal_pass = own_rows(self.policy.engine), True
         behavior_logprobs = w.behavior_logprobs
-        if proximal_logprobs is not None:  # unmasked observations were not sampled: no behavior policy to correct
+        if proximal_pass:  # unmasked observations were not sampled: no behavior policy to correct
             behavior_logprobs = torch.where(w.generated, behavior_logprobs, proximal_logprobs)
         ref_logprobs = None
         if alg.kl_coef > 0:
@@ -504,8 +525,27 @@ class Learner:
         if real < B:  # filler rows: no loss token, no advantage
             advantages = torch.cat([advantages, advantages.new_zeros(B - real, advantages.shape[1])])
             returns = torch.cat([returns, returns.new_zeros(B - real, returns.shape[1])])
-        return _Targets(behavior_logprobs, proximal_logprobs, ref_logprobs, advantages, returns, values)
+        return _Targets(behavior_logprobs, proximal_logprobs, ref_logprobs, advantages, returns, values, alpha,
+                        proximal_pass)
 
+    def proximal_skip_is_exact(self, w: _Window) -> bool:
+        """``skip_fresh``: every loss token of the whole batch (the same on every rank, so all ranks agree) is fresh,
+        sampled by the weights the learner holds, and no option judges the engine/trainer mismatch the pass would
+        measure (``icepop_band``, ``behavior_weight_floor``)."""
+        alg = self.cfg.algorithm
+        if alg.icepop_band is not None or alg.behavior_weight_floor is not None:
+            return False
+        return all_loss_tokens_fresh(w.mask, w.generated, w.versions, self.proximal_version())
+
+    def proximal_version_clock(self) -> tuple[float, float]:
+        """``(v_prox, v_theta)`` for ``interpolate``, on the token versions' clock (published versions): the weights at
+        the start of the step are ``v_prox = version + (steps since the publish) / weight_sync.every_steps`` (the
+        published version itself with a publish every step), and this step's update moves them by one step,
+        ``v_theta = v_prox + 1 / every_steps``."""
+        self.proximal_version()  # brings the (step, version) of the last publish up to date
+        every = self.cfg.weight_sync.every_steps
+        v_prox = self.version + (self.step - self._weights_of[0]) / every
+        return v_prox, v_prox + 1.0 / every
     def proximal_version(self) -> Optional[int]:
         """The policy version whose weights the learner holds now (the proximal policy's), or None when they have
         moved since they were published (``weight_sync.every_steps > 1``: no engine ever ran them). A version set by
@@ -519,8 +559,9 @@ class Learner:
     def _mismatch(self, w: _Window, t: _Targets, metrics: _Metrics) -> None:
         """Engine/trainer mismatch apart from staleness (``algorithms.mismatch``) over this rank's rows, added to
         ``metrics`` weighted by their counts (``all_reduce`` then makes them the whole batch's). Sampled tokens only:
-        an unmasked observation was never sampled. Nothing without a proximal pass (plain ``ppo``)."""
-        if t.proximal_logprobs is None:
+        an unmasked observation was never sampled. Nothing without a proximal pass (plain ``ppo``, or a step whose
+        ``algorithm.proximal`` took no pass: its proximal log-probs are no measurement of the trainer)."""
+        if not t.proximal_pass:
             return
         own = torch.arange(self.rank, w.mask.shape[0], self.world_size, device=self.device)
         version = self.proximal_version()
@@ -556,6 +597,8 @@ class Learner:
             step=float(self.step),
             version=float(self.version),
         )
+        if self.needs_proximal:  # 1: this step's proximal log-probs took no forward pass (algorithm.proximal)
+            out["proximal_pass_skipped"] = 0.0 if targets.proximal_pass else 1.0
         return out
 
     def _mini_batches(self, w: _Window, epoch: int) -> Iterator[tuple[list[Tensor], float]]:
@@ -606,8 +649,11 @@ class Learner:
         width = logprobs.shape[1]
         cut = t.rows(rows, width)
         mask = w.mask[rows, :width]
+        proximal = cut.proximal_logprobs
+        if cut.interpolation_alpha is not None:  # log pi_theta: this forward's own log-probs, detached
+            proximal = interpolated_proximal(cut.behavior_logprobs, logprobs, cut.interpolation_alpha)
         policy_loss, out = self.policy_loss(
-            logprobs, cut.proximal_logprobs, cut.behavior_logprobs, cut.advantages, mask,
+            logprobs, proximal, cut.behavior_logprobs, cut.advantages, mask,
             clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, dual_clip_c=alg.dual_clip_c,
             behavior_weight_mode=alg.behavior_weight_mode, behavior_weight_cap=alg.behavior_weight_cap,
             loss_agg_mode=alg.loss_agg_mode, horizon=horizon, behavior_weight_level=alg.behavior_weight_level,

@@ -14,11 +14,13 @@ BEHAVIOR_WEIGHT_LEVELS     token, sequence, turn                               a
 LOSS_AGGREGATORS           token-mean, seq-mean-token-sum, seq-mean-token-     algorithm.loss_agg_mode
                            mean, seq-mean-token-sum-norm
 KL_ESTIMATORS              k1, abs, k2, k3                                     algorithm.kl_estimator
+PROXIMAL_MODES             recompute, skip_fresh, interpolate, behavior        algorithm.proximal
 =========================  ==================================================  =====================================
 
-``mismatch.mismatch_metrics``: the engine/trainer mismatch of fresh tokens apart from the stale ones' (the
-learner logs it every step). Each ``get_*(name)`` raises ``UnknownAlgorithmError`` (a ``ValueError``) listing the
-allowed names.
+``proximal``: the proximal log-probs without a forward pass (the exact skip of an all-fresh batch, AReaL's
+log-linear interpolation, the behavior policy as proximal). ``mismatch.mismatch_metrics``: the engine/trainer
+mismatch of fresh tokens apart from the stale ones' (the learner logs it every step with a proximal pass). Each
+``get_*(name)`` raises ``UnknownAlgorithmError`` (a ``ValueError``) listing the allowed names.
 """
 
 from async_agent_rl.algorithms._registry import UnknownAlgorithmError
@@ -68,6 +70,12 @@ from async_agent_rl.algorithms.losses import (
 )
 from async_agent_rl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from async_agent_rl.algorithms.mismatch import MISMATCH_METRICS, mismatch_metrics
+from async_agent_rl.algorithms.proximal import (
+    PROXIMAL_MODES,
+    all_loss_tokens_fresh,
+    interpolated_proximal,
+    interpolation_alpha,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -78,9 +86,11 @@ __all__ = [
     "LOSS_AGGREGATORS",
     "MISMATCH_METRICS",
     "POLICY_LOSSES",
+    "PROXIMAL_MODES",
     "STEPWISE_MODES",
     "UnknownAlgorithmError",
     "agg_loss",
+    "all_loss_tokens_fresh",
     "behavior_correction",
     "behavior_weight",
     "behavior_weight_metrics",
@@ -98,6 +108,8 @@ __all__ = [
     "grpo_no_std_advantages",
     "grpo_no_std_scores",
     "grpo_scores",
+    "interpolated_proximal",
+    "interpolation_alpha",
     "kl_abs",
     "kl_k1",
     "kl_k2",
