@@ -262,9 +262,15 @@ def parameter_difference(a: torch.nn.Module, b: torch.nn.Module) -> dict[str, fl
 
 
 def learner_config(model: Path, rows: int, micro: int, lr: float) -> Config:
+    """One mini-batch of ``rows`` in micro-batches of ``micro``; the proximal pass pinned on where the config can
+    skip it (``algorithm.proximal``: the synthetic batch's tokens are all fresh), as the bare loop always runs it."""
+    from async_agent_rl.config import AlgorithmConfig
+
+    algorithm = {"proximal": "recompute"} if "proximal" in AlgorithmConfig.model_fields else {}
     return build_config({
         "model": {"path": str(model), "max_model_len": 1024},
         "rollout": {"group_size": 2},
+        "algorithm": algorithm,
         "learner": {"batch_size": rows, "mini_batch_size": rows, "micro_batch_size": micro, "lr": lr,
                     "zero_stage": 0, "dtype": "float32"},
     })
