@@ -7,6 +7,11 @@ rollout actor's restarts, the episodes lost with them, the run's rollout totals 
 evaluations beside training done and skipped). It is written into ``.step_N.tmp`` and renamed into place once
 complete, its checksum manifest last (``commit_checkpoint``): a crash mid-checkpoint leaves no ``step_N``, and
 ``train --resume RUN_DIR`` continues from the newest intact one (``latest_checkpoint``).
+
+The driver waits for the learner ranks' saves within the checkpoint's phase limit (``driver.limits.phase_limit``:
+the policy's size, bounded by ``cluster.progress_timeout_s`` when the user set it), in slices that look at the stop
+requests: a learner stopped (SIGSTOP) mid-save is named in one ``error:`` line within that limit, and a stop asked
+for meanwhile gets the save ``driver.limits.stop_s`` more at most.
 """
 
 from __future__ import annotations
@@ -14,14 +19,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import ray
 
 from async_agent_rl.config import Config
 from async_agent_rl.errors import InputError
 from buffer.actor import SNAPSHOT_FILE
-from driver.limits import RunFailed, ask, cause
+from driver.limits import RunFailed, ask, cause, model_bytes, phase_limit, stop_s, wait_phase
 from learner.actor import LearnerTimeout
 from learner.checkpoint import CheckpointError, commit_checkpoint, newest_intact
 
@@ -42,10 +47,24 @@ def latest_checkpoint(run_dir: Path) -> tuple[Path, list[str]]:
 
 
 class Checkpoints:
-    """The checkpoints of the run in ``run_dir`` (see the module docstring). ``say``: the run's console."""
+    """The checkpoints of the run in ``run_dir`` (see the module docstring). ``say``: the run's console; ``stops``:
+    the run's ``StopRequests`` (None: no signal looked at)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, say: Callable[[str], None]):
-        self.cfg, self.folder, self.say = cfg, run_dir / "checkpoints", say
+    def __init__(self, cfg: Config, run_dir: Path, say: Callable[[str], None], stops: Any = None):
+        self.cfg, self.folder, self.say, self.stops = cfg, run_dir / "checkpoints", say, stops
+        self.policy_bytes: Optional[int] = None  # the policy's weights, for the checkpoint's limit (read once)
+
+    def limit(self) -> tuple[float, str]:
+        """The checkpoint's limit and how to say it (``phase_limit`` of the policy's size)."""
+        if self.policy_bytes is None:
+            self.policy_bytes = model_bytes(self.cfg.model.path)
+        return phase_limit(self.cfg, "checkpoint", self.policy_bytes)
+
+    def learner_save(self, learner: Any, folder: Path, what: str) -> str:
+        """Every learner rank saves into ``folder``, waited for within the checkpoint's limit; rank 0's path."""
+        limit, said = self.limit()
+        refs = [rank.save_checkpoint.remote(str(folder)) for rank in learner.actors]
+        return wait_phase(refs, limit, f"the learner ({what})", said, self.stops, stop_s(self.cfg))[0]
 
     def due(self, step: int) -> bool:
         every = self.cfg.learner.checkpoint_every
@@ -64,7 +83,7 @@ class Checkpoints:
         tmp = final.with_name(f".{final.name}.tmp")  # written here, renamed into place once complete
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            learner.save_checkpoint(tmp)
+            self.learner_save(learner, tmp, f"checkpoint of step {step}")
             ask(buffer.snapshot.remote(str(tmp / SNAPSHOT_FILE)), self.cfg.cluster.actor_timeout_s,
                 "the buffer actor (snapshot)")
             # the step and the policy version are the learner's checkpoint's (``load_checkpoint``): not kept here

@@ -8,7 +8,8 @@ learner step completed for ``cluster.progress_timeout_s``.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError
@@ -16,6 +17,8 @@ from ray.exceptions import GetTimeoutError
 from actors.rollout_worker import engine_silence_s
 from async_agent_rl.config import Config
 from async_agent_rl.errors import InputError, error_line
+from async_agent_rl.waits import bounded
+from driver.stops import StopRequested
 
 
 class RunFailed(InputError):
@@ -37,7 +40,7 @@ def ask(ref: Any, limit: float, what: str, key: str = "cluster.actor_timeout_s")
     for a limit the driver derives): a component that stopped (SIGSTOP, a hang) never answers, and the driver must
     not wait for it forever; ``what`` names it in the run's one error line."""
     try:
-        return ray.get(ref, timeout=limit)
+        return bounded(ray.get, ref, timeout_s=limit, what=what)
     except GetTimeoutError:
         within = f"{key}={limit:g} s" if key else f"{limit:.0f} s"
         raise RunFailed(f"{what} did not answer within {within} (hung or stopped)") from None
@@ -93,13 +96,101 @@ def evaluation_s(cfg: Config, questions: int) -> float:
 
 
 def eval_limit_s(cfg: Config) -> float:
-    """How long one evaluation of the config's held-out questions (``eval.num_questions``, 0: every one) may take."""
-    return evaluation_s(cfg, cfg.eval.num_questions or test_questions(cfg.data.test_files))
+    """How long one evaluation of the config's held-out questions (``eval.num_questions``, 0: every one) may take
+    (``phase_limit``: ``cluster.progress_timeout_s`` set by the user bounds it too)."""
+    return phase_limit(cfg, "evaluation", cfg.eval.num_questions or test_questions(cfg.data.test_files))[0]
+
+
+# ------------------------------------------------------------------------------------------------ phases between steps
+PHASES = ("checkpoint", "publish", "evaluation", "restore")
+SLOWEST_DISK_BYTES_PER_S = 50e6  # a checkpoint written, or read back, at least this fast
+SLOWEST_PUBLISH_BYTES_PER_S = 50e6  # the weights reach every rollout actor and are loaded at least this fast
+CHECKPOINT_COPIES = 8  # bytes a checkpoint moves per byte of the policy's weights (fp32 master weights, Adam's moments)
+SLICE_S = 1.0  # a phase's wait looks at the stop requests this often
+
+
+def model_bytes(path: str | Path) -> int:
+    """The bytes of the weight files in the policy folder ``path`` (0 when it is no folder here: a hub name)."""
+    folder = Path(path)
+    try:
+        return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))
+    except OSError:
+        return 0
+
+
+def phase_limit(cfg: Config, phase: str, size: float = 0) -> tuple[float, str]:
+    """How long ``phase`` (one of ``PHASES``) may take, and how to say it in an error line: the one place the
+    limits of the phases between learner steps are derived, from the config and the work's size (``size``: the
+    policy's bytes for a checkpoint, a restore and a publish, the questions for an evaluation).
+
+    - checkpoint, restore: ``CHECKPOINT_COPIES`` x the policy's bytes at ``SLOWEST_DISK_BYTES_PER_S``, at least
+      ``cluster.actor_timeout_s``;
+    - publish: the policy's bytes at ``SLOWEST_PUBLISH_BYTES_PER_S``, at least ``cluster.actor_timeout_s``; on the
+      collective path ``weight_sync.timeout_s`` (each of its waits' own limit);
+    - evaluation: ``evaluation_s`` of the questions on one rollout actor.
+
+    ``cluster.progress_timeout_s`` set by the user (not None, not 0) bounds every one of them: no phase between steps
+    keeps the run from its next step longer than the user allows one step to take."""
+    if phase not in PHASES:
+        raise ValueError(f"phase {phase!r}; known: {', '.join(PHASES)}")
+    c = cfg.cluster
+    if phase == "evaluation":
+        limit, said = evaluation_s(cfg, int(size)), f"{evaluation_s(cfg, int(size)):.0f} s"
+    elif phase == "publish" and cfg.weight_sync.method == "collective":
+        limit, said = cfg.weight_sync.timeout_s, f"weight_sync.timeout_s={cfg.weight_sync.timeout_s:g} s"
+    else:
+        rate = SLOWEST_PUBLISH_BYTES_PER_S if phase == "publish" else SLOWEST_DISK_BYTES_PER_S / CHECKPOINT_COPIES
+        limit = max(c.actor_timeout_s, size / rate)
+        said = (f"cluster.actor_timeout_s={c.actor_timeout_s:g} s" if limit == c.actor_timeout_s else
+                f"{limit:.0f} s for {size / 1e9:.1f} GB")
+    if c.progress_timeout_s and c.progress_timeout_s < limit:
+        return float(c.progress_timeout_s), f"cluster.progress_timeout_s={c.progress_timeout_s:g} s"
+    return float(limit), said
+
+
+class PhaseTimeout(RunFailed):
+    """A phase's wait passed its limit; ``pending``: the positions of the references that did not answer."""
+
+    def __init__(self, message: str, pending: list[int]):
+        super().__init__(message)
+        self.pending = pending
+
+
+def wait_phase(refs: Sequence[Any], limit: float, what: str, said: str, stops: Any = None, stop_limit: float = 0.0,
+               on_stop: str = "finish") -> list[Any]:
+    """The values of ``refs`` (actor calls of a phase between steps), waited for at most ``limit`` seconds (``said``:
+    how the error line names that limit) in ``SLICE_S`` slices; past it, ``PhaseTimeout`` naming ``what`` (one
+    ``error:`` line). ``stops``: the run's ``StopRequests``, looked at between slices. Once a stop was asked for, a
+    phase that is part of the stop (``on_stop="finish"``: a checkpoint) goes on for at most ``stop_limit`` seconds
+    more, and one that is not (``"abandon"``: a publish, a start) ends at once with ``StopRequested``. A second signal
+    ends the run at once (its handler raises ``Stopped``, at the latest when the slice ends)."""
+    refs = list(refs)
+    t0 = time.monotonic()
+    pending = list(refs)
+    while pending:
+        end, within = t0 + limit, said
+        if stops is not None and stops.signal is not None:
+            if on_stop == "abandon":
+                raise StopRequested()
+            if stops.at + stop_limit < end:
+                end, within = stops.at + stop_limit, f"{stop_limit:.0f} s of the stop request"
+        now = time.monotonic()
+        if now >= end:
+            raise PhaseTimeout(f"{what} did not answer within {within} (hung or stopped)",
+                               [i for i, r in enumerate(refs) if r in pending])
+        _, pending = bounded(ray.wait, pending, num_returns=len(pending), timeout_s=min(SLICE_S, end - now),
+                             what=what, fetch_local=False)
+    try:  # every one is ready: this only fetches their answers
+        return bounded(ray.get, refs, timeout_s=max(REPORT_TIMEOUT_S, limit), what=what)
+    except GetTimeoutError:
+        raise PhaseTimeout(f"{what} did not answer within {said} (hung or stopped)", list(range(len(refs)))) \
+            from None
 
 
 def stop_s(cfg: Config) -> float:
     """How long a rollout actor is given to finish and push its in-flight episodes when the run stops (at least
-    ``cluster.actor_timeout_s``): one wave of the longest episodes at the slowest pace assumed."""
+    ``cluster.actor_timeout_s``): one wave of the longest episodes at the slowest pace assumed. Also the stop limit
+    of the phases between steps (``wait_phase``): a checkpoint under way when a stop is asked for gets this long."""
     return max(cfg.cluster.actor_timeout_s, cfg.rollout.max_response_length / SLOWEST_EPISODE_TOKENS_PER_S)
 
 

@@ -2,7 +2,8 @@
 
 The first SIGINT or SIGTERM asks the run to stop: the RL loop calls ``StopRequests.check`` at every safe point
 (between steps, while the learner waits for a batch, at each step of the warm start), which then raises
-``StopRequested``; the run writes a checkpoint of its step and ends with ``StopRequests.closing``'s line. A second
+``StopRequested``; the waits of a start, a checkpoint and a publish look at it between slices
+(``driver.limits.wait_phase``); the run writes a checkpoint of its step and ends with ``StopRequests.closing``'s line. A second
 one stops the run at once (``Stopped``: one error line, no checkpoint). Without these handlers, Ray's driver handler
 (``sys.exit`` from inside Ray's C++ code) ended a SIGTERM in SIGABRT and a C++ stack dump.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -33,6 +35,7 @@ class StopRequests:
     def __init__(self, say: Callable[[str], None], step: Callable[[], int]):
         self.say, self.step = say, step
         self.signal: int | None = None  # SIGINT or SIGTERM received (negated: a second one came)
+        self.at = 0.0  # when the first one came (time.monotonic)
         self.in_warm_start = False
 
     def catch(self, stack: ExitStack) -> None:
@@ -46,7 +49,7 @@ class StopRequests:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signal is None:
-            self.signal = signum
+            self.signal, self.at = signum, time.monotonic()
             step = self.step()
             when = ("after the current step with a checkpoint" if step > 0 else
                     "at the next step of the warm start, unsaved" if self.in_warm_start else "before the first step")

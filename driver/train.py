@@ -111,7 +111,7 @@ class Trainer:
         self.taken_up: list[dict] = []  # a resumed run: what each rollout actor took up (RolloutActor.start)
         self.watchdog = ProgressWatchdog(cfg.cluster.progress_timeout_s, floor=first_step_s(cfg))
         self.stops = StopRequests(self.log.say, lambda: self.step)
-        self.checkpoints = Checkpoints(cfg, self.run_dir, self.log.say)
+        self.checkpoints = Checkpoints(cfg, self.run_dir, self.log.say, self.stops)
         self.nodes = CoreNodes(cfg, self.run_dir)
         self.records = Records(cfg, self.log)
         self.evaluations = Evaluations(cfg, self.records.eval)
@@ -133,7 +133,8 @@ class Trainer:
             stack.enter_context(hold(self.run_dir))  # one run at a time in a run folder
             check_address(cfg)  # an address with no cluster behind it: one error line now, not after the warm start
             if self.resume_from is None:
-                moved = set_aside_earlier_run(self.run_dir)  # a fresh run never mixes into an earlier run's results
+                # a fresh run never mixes into an earlier run's results (kept in RUN_DIR.N unless told to delete)
+                moved = set_aside_earlier_run(self.run_dir, delete=cfg.run.delete_earlier_run)
                 if moved:
                     self.log.say(f"[run] {moved}")
             cfg.save(self.run_dir / "config.yaml")
@@ -168,7 +169,7 @@ class Trainer:
                 rollout = self.stop_rollouts()
                 end = (self.evaluations.waited(self.actors[0], "end", self.step, self.versions.version)
                        if cfg.eval.at_end else None)
-                final = self.learner.save_checkpoint(self.run_dir / "final")
+                final = self.checkpoints.learner_save(self.learner, self.run_dir / "final", "the final policy")
                 summary = self.records.summary(str(self.run_dir), self.step, start, end, rollout,
                                                time.monotonic() - t0, final, self.evaluations.summary())
                 (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -64,7 +64,6 @@ DRIVER_ALLOWED: dict[tuple[str, str, str], int] = {
     ("driver/fleet.py", "Fleet.stop", "ray.get not through async_agent_rl.waits.bounded"): 1,
     ("driver/fleet.py", "Fleet.stop", "ray.wait not through async_agent_rl.waits.bounded"): 1,
     ("driver/fleet.py", "Fleet.supervise", "ray.get not through async_agent_rl.waits.bounded"): 2,
-    ("driver/limits.py", "ask", "ray.get not through async_agent_rl.waits.bounded"): 1,
     ("driver/nodes.py", "CoreNodes.lost", "ray.get not through async_agent_rl.waits.bounded"): 1,
     ("driver/start.py", "observe_components.observe", "ray.get not through async_agent_rl.waits.bounded"): 2,
     ("driver/train.py", "Trainer._learner_step", "ray.get not through async_agent_rl.waits.bounded"): 1,
