@@ -361,13 +361,11 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _proximal(self) -> "AlgorithmConfig":
-        if self.proximal in ("interpolate", "behavior"):
-            if self.policy_loss != "decoupled_ppo":
-                raise ValueError(f"proximal={self.proximal} needs policy_loss=decoupled_ppo ({self.policy_loss} has no "
-                                 "proximal policy)")
-            if not self.mask_observations:
-                raise ValueError(f"proximal={self.proximal} needs mask_observations=true (an observation taking the "
-                                 "loss was never sampled: it has no behavior log-prob to stand for its proximal one)")
+        # under policy_loss=ppo the key does nothing (no proximal policy), as the behavior_weight_* keys: a staleness
+        # sweep's standard-PPO arm runs with the sweep's proximal setting
+        if self.proximal in ("interpolate", "behavior") and not self.mask_observations:
+            raise ValueError(f"proximal={self.proximal} needs mask_observations=true (an observation taking the loss "
+                             "was never sampled: it has no behavior log-prob to stand for its proximal one)")
         return self
 
 

@@ -121,8 +121,8 @@ def test_the_behavior_policy_as_proximal_is_plain_ppo():
 
 # -------------------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("algorithm,message", [
-    ({"proximal": "interpolate", "policy_loss": "ppo"}, "needs policy_loss=decoupled_ppo"),
     ({"proximal": "behavior", "mask_observations": False}, "needs mask_observations=true"),
+    ({"proximal": "interpolate", "policy_loss": "ppo", "mask_observations": False}, "needs mask_observations=true"),
     ({"proximal": "skip"}, "proximal"),
 ])
 def test_bad_proximal_settings_are_refused(algorithm, message):
@@ -130,9 +130,13 @@ def test_bad_proximal_settings_are_refused(algorithm, message):
         build_config({"algorithm": algorithm})
 
 
-def test_skip_fresh_is_the_default_and_allowed_with_any_loss():
+def test_skip_fresh_is_the_default_and_every_mode_loads_with_plain_ppo():
+    """Under ``ppo`` the key does nothing; ``bench staleness --seeds`` adds a ``policy_loss=ppo`` arm to a sweep run
+    with ``algorithm.proximal=...`` for every arm."""
     assert build_config({}).algorithm.proximal == "skip_fresh"
     assert build_config({"algorithm": {"policy_loss": "ppo", "mask_observations": False}}).algorithm.proximal
+    for mode in PROXIMAL_MODES:
+        assert build_config({"algorithm": {"policy_loss": "ppo", "proximal": mode}}).algorithm.proximal == mode
 
 
 # ------------------------------------------------------------------------------------- the learner's _targets
