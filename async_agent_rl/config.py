@@ -546,6 +546,8 @@ class MonitoringConfig(_Section):
     exporter_port: int = Field(0, ge=0, le=65535, description="0 = free port per process")
     prometheus_sd_file: Optional[str] = Field(None, description="file-based service discovery targets (JSON)")
     log_every_s: float = Field(5.0, gt=0)
+    episodes_per_step: int = Field(4, ge=0, description="training episodes kept per learner step in RUN_DIR/episodes/ "
+                                   "for the run viewer (`async-agent-rl view`); 0 = none")
     final_scrape_timeout_s: float = Field(
         15.0, ge=0, description="at the end of a run, wait this long for Prometheus to scrape the last values "
         "(only if it has scraped the run before; 0 = don't wait)")
@@ -564,8 +566,6 @@ class ClusterConfig(_Section):
     num_cpus: Optional[int] = Field(None, ge=1)
     rollout_actor_cpus: float = Field(0.5, ge=0)
     rollout_actor_gpus: float = Field(0.0, ge=0)
-    episodes_per_step: int = Field(4, ge=0, description="training episodes kept per learner step in RUN_DIR/episodes/ "
-                                   "for the run viewer (`async-agent-rl view`); 0 = none")
     learner_cpus: float = Field(0.5, ge=0)
     learner_gpus: float = Field(0.0, ge=0)
     buffer_cpus: float = Field(0.0, ge=0)
