@@ -106,6 +106,9 @@ def small_run_overrides(out_dir: Path, world_dir: Path, model_dir: Path) -> list
         "learner.micro_batch_size=8",
         "eval.num_questions=16",
         "monitoring.log_every_s=1",
+        # the proximal pass every step, so the engine/trainer mismatch panels have a value at every step (skip_fresh,
+        # the default, skips it for an all-fresh batch, and a 3-step run's first batches are all fresh)
+        "algorithm.proximal=recompute",
         # A short, hot warm start (8 SFT steps, ~40 s) so the policy writes <search>, which the random-init model
         # never does. Every demonstration searches (the quickstart's expert answers at once in half of them: with
         # that, a CI run once saw 0 searches in 3 steps, and 5 searches in ~50 episodes was typical).

@@ -330,7 +330,7 @@ def learner_stats(step: int, gae: bool = False, **over) -> LearnerStats:
          "iw_mean": 1.0, "iw_max": 1.8, "iw_capped_frac": 0.0, "iw_capped_seq_frac": 0.0, "behavior_kl": 0.001,
          "mismatch_kl_fresh": 1e-4, "mismatch_abs_logprob_fresh": 0.01, "mismatch_kl_stale": 0.002,
          "mismatch_abs_logprob_stale": 0.05, "seq_log_ratio_mean": -0.2, "seq_log_ratio_max": 1.5,
-         "fresh_token_fraction": 0.6, "grad_norm": 0.7,
+         "fresh_token_fraction": 0.6, "proximal_pass_skipped": 0.0, "grad_norm": 0.7,
          "lr": 1e-4, "staleness_mean": 0.5, "staleness_max": 1.0, "reward_mean": 0.25, "advantage_mean": 0.0,
          "loss_tokens": 300.0, "step_time_s": 2.0, "tokens_per_s": 250.0, "step": float(step), "version": 0.0}
     if gae:
