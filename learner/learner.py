@@ -407,7 +407,13 @@ class Learner:
         engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=_ds_config(lc, self.world_size))
         engine.eval()  # no dropout: the proximal pass and the live pass must compute the same function
-        return _TrainEngine(engine, plain=engine.optimizer is optimizer)
+        plain = engine.optimizer is optimizer
+        if plain and self.world_size == 1:
+            # one rank: nothing to average. DeepSpeed would copy every gradient into a fresh flat buffer at each
+            # update, all-reduce it over a group of one and copy it back: 11% of a 100M model's step
+            # (benchmarks/RESULTS.md, "Learner against a bare PyTorch loop")
+            engine.enable_backward_allreduce = False
+        return _TrainEngine(engine, plain=plain)
 
     # --------------------------------------------------------------------------------------------- forwards
     def _rows(self, w: _Window, rows: Tensor) -> tuple[Tensor, Tensor]:
