@@ -2,7 +2,8 @@
 lost with a dead actor, restarts, and the report of a stalled run.
 
 ``Fleet.supervise()`` is called once per RL step and every few seconds while the learner waits for a batch. It
-reads every rollout actor's stats and restarts an actor that died, stopped answering, or is alive but stopped
+asks every rollout actor at once and waits for their answers within one limit (``cluster.actor_timeout_s`` in all,
+not per actor), reads every rollout actor's stats and restarts an actor that died, stopped answering, or is alive but stopped
 generating; a restarted actor's in-flight episodes are counted lost (the buffer frees their admission) and it gets
 the current policy version from ``PolicyVersions.catch_up`` before it runs again. Once ``cluster.max_actor_restarts``
 restarts of an actor are used up, the next problem ends the run in one ``error:`` line. The retrieval server the
@@ -29,6 +30,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from async_agent_rl.config import Config
 from async_agent_rl.stats import BufferStats, DriverStats, RolloutStats, RunTotals
+from async_agent_rl.waits import bounded
 from driver.cluster import actor_node, actor_record, capacity, node_gone
 from driver.limits import PROGRESS_FLOOR_S, PROGRESS_STEPS, REPORT_TIMEOUT_S, RunFailed, ask, cause
 from driver.versions import PolicyVersions
@@ -94,18 +96,19 @@ class Fleet:
         self.supervise_retriever()
         out = []
         limit = self.cfg.cluster.actor_timeout_s
-        for i, actor in self.active:
+        active = self.active
+        answers = self.ask_all([a for _, a in active], limit)
+        for (i, actor), answer in zip(active, answers):
             kill = False
-            try:
-                stats = ray.get(actor.stats.remote(), timeout=limit)
+            if isinstance(answer, tuple):
+                stats, why = answer
                 problem = None if stats.ready else NOT_SET_UP
                 if stats.ready and stats.done:  # alive, but generates nothing more: the run would wait forever
-                    why = ray.get(actor.error.remote(), timeout=limit)
                     problem, kill = f"stopped generating: {why}", True
-            except (RayActorError, GetTimeoutError) as e:
-                problem = type(e).__name__
-                kill = isinstance(e, GetTimeoutError)  # silent, perhaps only slow: stop this incarnation first
-                if isinstance(e, RayActorError):
+            else:
+                problem = type(answer).__name__
+                kill = isinstance(answer, GetTimeoutError)  # silent, perhaps only slow: stop this incarnation first
+                if isinstance(answer, RayActorError):
                     settle(actor)
             if problem:
                 by_ray = problem == NOT_SET_UP  # Ray restarted it (its restart was counted when it died)
@@ -131,6 +134,38 @@ class Fleet:
         self.last_stats = out
         return out
 
+    def ask_all(self, actors: Sequence[Any], limit: float) -> list[Any]:
+        """Every actor's ``(stats, why)`` (``why``: its ``error()`` when it is set up and done, else None), asked of
+        all at once and waited for within ``limit`` seconds in all: the answer of one that did not answer in time is
+        a ``GetTimeoutError``, of one that died a ``RayActorError``."""
+        deadline = time.monotonic() + limit
+        answers: list[Any] = self._answers([a.stats.remote() for a in actors], deadline, "stats()")
+        done = [k for k, a in enumerate(answers) if not isinstance(a, Exception) and a.ready and a.done]
+        whys = self._answers([actors[k].error.remote() for k in done], deadline, "error()")
+        out = [a if isinstance(a, Exception) else (a, None) for a in answers]
+        for k, why in zip(done, whys):
+            out[k] = (answers[k], why) if not isinstance(why, Exception) else why
+        return out
+
+    @staticmethod
+    def _answers(refs: list[Any], deadline: float, what: str) -> list[Any]:
+        """Each reference's value, waited for together until ``deadline``: ``GetTimeoutError`` for one not ready by
+        then, ``RayActorError`` for one whose actor died."""
+        if not refs:
+            return []
+        ready, _ = bounded(ray.wait, refs, num_returns=len(refs), timeout_s=max(0.0, deadline - time.monotonic()),
+                           what=f"the rollout actors' {what}", fetch_local=False)
+        out: list[Any] = []
+        for ref in refs:
+            if ref not in ready:
+                out.append(GetTimeoutError(f"{what} not answered"))
+                continue
+            try:
+                out.append(bounded(ray.get, ref, timeout_s=REPORT_TIMEOUT_S, what=f"a rollout actor's {what}"))
+            except (RayActorError, GetTimeoutError) as e:
+                out.append(e)
+        return out
+
     def restart(self, i: int) -> bool:
         """Rollout actor ``i``, whose process Ray restarts: its in-flight episodes are counted lost, it is set up
         again within ``cluster.actor_setup_timeout_s``, catches up with the policy version and runs again (True).
@@ -151,9 +186,9 @@ class Fleet:
         # in Ray's queue while Ray has not placed the actor: it is watched, not waited on, meanwhile
         setup = actor.setup.remote(self.buffer)
         while True:
-            if ray.wait([setup], timeout=1.0, fetch_local=False)[0]:
+            if bounded(ray.wait, [setup], timeout_s=1.0, what=f"rollout actor {i}'s setup", fetch_local=False)[0]:
                 try:
-                    ray.get(setup, timeout=REPORT_TIMEOUT_S)
+                    bounded(ray.get, setup, timeout_s=REPORT_TIMEOUT_S, what=f"rollout actor {i}'s setup")
                     break
                 except (RayActorError, GetTimeoutError) as e:  # this incarnation died too: ask the next one
                     why = type(e).__name__
@@ -237,11 +272,13 @@ class Fleet:
         error because stopping took long."""
         active = self.active
         refs = [a.stop.remote(limit) for _, a in active]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=limit + self.cfg.cluster.actor_timeout_s)
+        ready, _ = bounded(ray.wait, refs, num_returns=len(refs), timeout_s=limit + self.cfg.cluster.actor_timeout_s,
+                           what="the rollout actors' stop()")
         out = []
         for (i, _), ref in zip(active, refs):
             try:
-                out.append(ray.get(ref, timeout=REPORT_TIMEOUT_S) if ref in ready else None)
+                out.append(bounded(ray.get, ref, timeout_s=REPORT_TIMEOUT_S, what=f"rollout actor {i}'s stop()")
+                           if ref in ready else None)
             except ray.exceptions.RayError as e:
                 self.say(f"[warn] rollout actor {i} failed while stopping ({cause(e)}); its last stats stand")
                 out.append(None)
@@ -261,16 +298,21 @@ class Fleet:
         timeout = REPORT_TIMEOUT_S
         buffer: BufferStats | str
         try:
-            buffer = ray.get(self.buffer.stats.remote(), timeout=timeout)
+            buffer = bounded(ray.get, self.buffer.stats.remote(), timeout_s=timeout, what="the buffer actor")
         except GetTimeoutError:
             buffer = f"not answering (stats() took more than {timeout:.0f} s)"
         except ray.exceptions.RayError as e:
             buffer = f"failed: {cause(e)}"
         actors: list[RolloutStats | str] = []
         indices = [i for i, _ in self.active]
-        for i, actor in self.active:
+        refs = [actor.stats.remote() for _, actor in self.active]  # asked at once, answered within one limit
+        ready, _ = bounded(ray.wait, refs, num_returns=len(refs), timeout_s=timeout, what="the rollout actors' stats()",
+                           fetch_local=False) if refs else ([], [])
+        for i, ref in zip(indices, refs):
             try:
-                stats = ray.get(actor.stats.remote(), timeout=timeout)
+                if ref not in ready:
+                    raise GetTimeoutError()
+                stats = bounded(ray.get, ref, timeout_s=timeout, what=f"rollout actor {i}'s stats()")
                 self.note_pushes(i, stats)
                 actors.append(stats)
             except GetTimeoutError:
