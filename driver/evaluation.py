@@ -26,6 +26,7 @@ from typing import Any, Callable
 import ray
 
 from async_agent_rl.config import Config
+from async_agent_rl.waits import bounded
 from driver.limits import REPORT_TIMEOUT_S, ask, cause, eval_limit_s
 from driver.stops import StopRequests
 
@@ -78,13 +79,13 @@ class EvaluationBeside:
         p = self.pending
         if p is None:
             return None
-        ready, _ = ray.wait([p.ref], timeout=max(0.0, wait_s))
+        ready, _ = bounded(ray.wait, [p.ref], timeout_s=max(0.0, wait_s), what="the evaluator")
         if not ready:
             if self.clock() - p.started > self.limit_s:
                 self._fail(f"it did not finish within {self.limit_s:.0f} s")
             return None
         try:
-            scores = ray.get(p.ref, timeout=REPORT_TIMEOUT_S)
+            scores = bounded(ray.get, p.ref, timeout_s=REPORT_TIMEOUT_S, what="the evaluator")
         except ray.exceptions.RayError as e:
             self._fail(cause(e))
             return None

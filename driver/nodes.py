@@ -17,6 +17,7 @@ from ray.exceptions import GetTimeoutError
 
 from async_agent_rl.config import Config
 from async_agent_rl.errors import InputError
+from async_agent_rl.waits import bounded
 from driver.checkpoints import latest_checkpoint
 from driver.cluster import actor_node, node_gone
 from driver.fleet import SETTLE_S
@@ -77,7 +78,7 @@ class CoreNodes:
             return []
         probes = [self.buffer.stats.remote(), *(a.rank.remote() for a in self.learner.actors)]
         try:
-            ray.get(probes, timeout=REPORT_TIMEOUT_S)
+            bounded(ray.get, probes, timeout_s=REPORT_TIMEOUT_S, what="the learner and the buffer")
             return []  # all there: the failure was something else
         except (ray.exceptions.RayError, GetTimeoutError):
             pass

@@ -23,7 +23,7 @@ from async_agent_rl.errors import InputError
 from async_agent_rl.stats import BufferStats, RunTotals
 from buffer.actor import SNAPSHOT_FILE
 from driver.checkpoints import DRIVER_STATE, latest_checkpoint
-from driver.limits import ask
+from driver.limits import ask, model_bytes, phase_limit, wait_phase
 from driver.run_folder import check_safetensors, read_metrics_lines
 from driver.versions import PolicyVersions
 from learner.checkpoint import CONFIG_FILE, CheckpointError, check_model_matches, config_differences
@@ -60,11 +60,16 @@ class Restored:
 
 
 def restore(ckpt: Path, cfg: Config, run_dir: Path, policy_path: str, learner: Any, buffer: Any,
-            versions: PolicyVersions, say: Callable[[str], None]) -> Restored:
-    """Load the checkpoint ``ckpt`` into the learner and buffer; drop the metrics of steps that will be redone."""
+            versions: PolicyVersions, say: Callable[[str], None], stops: Any = None) -> Restored:
+    """Load the checkpoint ``ckpt`` into the learner and buffer; drop the metrics of steps that will be redone. The
+    learner ranks' load is waited for within the restore's phase limit (``phase_limit``: the policy's size, bounded by
+    ``cluster.progress_timeout_s`` when set), and a stop request (``stops``) ends it at once."""
     state = json.loads((ckpt / DRIVER_STATE).read_text())
     check_model_matches(ckpt, policy_path)
-    step, version = learner.load_checkpoint(ckpt)  # the learner owns both
+    limit, said = phase_limit(cfg, "restore", model_bytes(ckpt / "policy"))
+    loads = [rank.load_checkpoint.remote(str(ckpt)) for rank in learner.actors]
+    step, version = wait_phase(loads, limit, f"the learner (restore of {ckpt.name})", said, stops,
+                               on_stop="abandon")[0]  # the learner owns both
     versions.restored(step, version)  # the actors start from this checkpoint's policy, its version
     actor_ids = [f"actor{i}" for i in range(cfg.rollout.num_actors)]  # RolloutActor.actor_id
     limit = cfg.cluster.actor_timeout_s

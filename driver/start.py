@@ -12,8 +12,9 @@ import ray
 from ray.exceptions import GetTimeoutError
 
 from async_agent_rl.config import Config
+from async_agent_rl.waits import bounded
 from driver.cluster import resources_line
-from driver.limits import REPORT_TIMEOUT_S, RunFailed
+from driver.limits import REPORT_TIMEOUT_S, PhaseTimeout, RunFailed, wait_phase
 from driver.prepare import prepare
 from driver.stops import StopRequests
 from monitoring.exporter import RunMonitoring
@@ -46,7 +47,7 @@ def started(cfg: Config, start: Callable[[], Any], what: str = "learner") -> Any
     c = cfg.cluster
     try:
         return start()
-    except GetTimeoutError:
+    except (GetTimeoutError, PhaseTimeout):
         if what == "learner":
             whom = f"{cfg.learner.num_ranks} learner actor(s)"
             asks = f"cluster.learner_cpus={c.learner_cpus:g}, learner_gpus={c.learner_gpus:g}"
@@ -60,6 +61,15 @@ def started(cfg: Config, start: Callable[[], Any], what: str = "learner") -> Any
         raise RunFailed(f"the {whom} were not started within cluster.actor_setup_timeout_s="
                         f"{c.actor_setup_timeout_s:g} s (each asks Ray for {asks}; the cluster has "
                         f"{resources_line(ray.cluster_resources())})") from None
+
+
+def set_up(cfg: Config, actors: list[Any], buffer: Any, stops: StopRequests) -> list[Any]:
+    """Every rollout actor (and the evaluator) set up, their infos: waited for within
+    ``cluster.actor_setup_timeout_s`` (``started``'s error line past it) in slices that look at ``stops``: a stop
+    request during the start ends it at once (``StopRequested``)."""
+    return started(cfg, lambda: wait_phase([a.setup.remote(buffer) for a in actors], cfg.cluster.actor_setup_timeout_s,
+                                           "the rollout actors' setup", "cluster.actor_setup_timeout_s", stops,
+                                           on_stop="abandon"), what="rollout")
 
 
 def start_monitoring(cfg: Config, run_dir: Path, url: str, stack: ExitStack,
@@ -78,8 +88,9 @@ def start_monitoring(cfg: Config, run_dir: Path, url: str, stack: ExitStack,
 def observe_components(mon: RunMonitoring, actors: Callable[[], list[Any]], buffer: Any) -> Callable[[], None]:
     """The monitor's poll between steps: every rollout actor's stats and the buffer's."""
     def observe() -> None:
-        mon.observe(rollout=ray.get([a.stats.remote() for a in actors()], timeout=REPORT_TIMEOUT_S),
-                    buffer=ray.get(buffer.stats.remote(), timeout=REPORT_TIMEOUT_S))
+        mon.observe(rollout=bounded(ray.get, [a.stats.remote() for a in actors()], timeout_s=REPORT_TIMEOUT_S,
+                                    what="the rollout actors' stats()"),
+                    buffer=bounded(ray.get, buffer.stats.remote(), timeout_s=REPORT_TIMEOUT_S, what="the buffer actor"))
     return observe
 
 

@@ -40,7 +40,7 @@ from ray.exceptions import GetTimeoutError
 from actors.rollout_actor import create_evaluator, create_rollout_actors
 from async_agent_rl.config import Config
 from async_agent_rl.stats import LearnerStats, RolloutStats
-from async_agent_rl.waits import WaitTimeout, call_within
+from async_agent_rl.waits import WaitTimeout, bounded, call_within
 from async_agent_rl.weight_group import backend_for
 from buffer.actor import create_buffer_actor
 from driver.checkpoints import Checkpoints
@@ -52,6 +52,7 @@ from driver.console import LOG_FILE, RunLog, closing_lines, logs_to_file, start_
 from driver.evaluation import EvaluationBeside, Evaluations
 from driver.fleet import Fleet
 from driver.limits import REPORT_TIMEOUT_S, ProgressWatchdog, RunFailed, ask, first_step_s, stop_s
+from driver.limits import model_bytes, phase_limit
 from driver.nodes import CoreNodes
 from driver.plots import plot_run
 from driver.prepare import prepare  # noqa: F401 - benchmarks/sft_bench.py imports it from here
@@ -59,7 +60,7 @@ from driver.reaper import reaper
 from driver.records import Records
 from driver.restore import Restored, restore, resume_inputs, taken_up_lines
 from driver.run_folder import hold, set_aside_earlier_run
-from driver.start import observe_components, pad_id, prepare_inputs, start_monitoring, started
+from driver.start import observe_components, pad_id, prepare_inputs, set_up, start_monitoring, started
 from driver.stops import StopRequested, StopRequests
 from driver.versions import PolicyVersions
 from driver.weight_sync import create_publisher
@@ -146,7 +147,6 @@ class Trainer:
                 self.policy_path = prepare_inputs(cfg, self.run_dir, self.log.say, self.stops)
                 self.stops.check()
                 self.start_components(stack)
-                self.stops.catch(stack)  # ray.init put its own SIGTERM handler (sys.exit) in place of ours
                 self.stops.check()
                 start = (self.evaluations.waited(self.actors[0], "start", self.step, self.versions.version)
                          if cfg.eval.at_start and self.resume_from is None else None)
@@ -211,6 +211,7 @@ class Trainer:
         pad = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="pad-id")).submit(pad_id, self.policy_path)
         ray_init(cfg)
         stack.callback(_shutdown_ray)
+        self.stops.catch(stack)  # ray.init put its own SIGTERM handler (sys.exit) in place of ours
         if local_cluster:
             check_actors_fit(cfg, ray.cluster_resources())
         check_placement(cfg, ray.nodes())  # the nodes cluster.*_resources name: before any actor waits for them
@@ -242,13 +243,12 @@ class Trainer:
             if self.resume_from is not None:  # the actors start at the learner's restored version
                 self.learner = self.versions.learner = started(cfg, learner.result)
                 restored = restore(self.resume_from, cfg, self.run_dir, self.policy_path, self.learner, self.buffer,
-                                   self.versions, self.log.say)
+                                   self.versions, self.log.say, self.stops)
                 actor_model = str(self.resume_from / "policy")
             actors = create_rollout_actors(cfg, self.url, actor_model, self.versions.version,
                                            max_restarts=cfg.cluster.max_actor_restarts)
             evaluators = [create_evaluator(cfg, self.url, actor_model, self.versions.version)] * cfg.evaluators
-            infos = started(cfg, lambda: ray.get([a.setup.remote(self.buffer) for a in actors + evaluators],
-                                                 timeout=cfg.cluster.actor_setup_timeout_s), what="rollout")
+            infos = set_up(cfg, actors + evaluators, self.buffer, self.stops)
             if evaluators:
                 beside = self.evaluations.beside = EvaluationBeside(cfg, evaluators[0], self.log.say)
                 if restored is not None:
@@ -258,7 +258,8 @@ class Trainer:
                              f"{cfg.eval.every_steps} steps run beside training on an engine of their own")
             self.learner = self.versions.learner = started(cfg, learner.result)
         self.versions.publisher = create_publisher(
-            cfg.weight_sync.method, actors, self.learner, actor_timeout_s=cfg.cluster.actor_timeout_s,
+            cfg.weight_sync.method, actors, self.learner, stops=self.stops,
+            actor_timeout_s=phase_limit(cfg, "publish", model_bytes(self.policy_path))[0],
             backend=backend_for(cfg.run.device, cfg.weight_sync.backend), timeout_s=cfg.weight_sync.timeout_s)
         stack.callback(self.versions.close)
 
@@ -342,10 +343,10 @@ class Trainer:
                 break
             if self.watchdog.expired():
                 took = time.monotonic() - started
-                if ray.wait([batch], timeout=0, fetch_local=False)[0]:
+                if bounded(ray.wait, [batch], timeout_s=0, what="the batch", fetch_local=False)[0]:
                     if no_batch is None:  # fetched once, when the run is about to end
                         try:
-                            no_batch = ray.get(batch, timeout=REPORT_TIMEOUT_S) is None
+                            no_batch = bounded(ray.get, batch, timeout_s=REPORT_TIMEOUT_S, what="the batch") is None
                         except GetTimeoutError:  # an answer this slow to fetch is a batch, not None
                             no_batch = False
                         except ray.exceptions.RayError:  # the sampler failed: the learner's thread raises it soon

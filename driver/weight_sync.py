@@ -37,9 +37,9 @@ from typing import Any, Mapping, Protocol, Sequence, Union
 import numpy as np
 import ray
 import torch
-from ray.exceptions import GetTimeoutError
 
 from async_agent_rl.stats import PublishStats
+from driver.limits import PhaseTimeout, wait_phase
 
 State = Mapping[str, Union[np.ndarray, torch.Tensor]]
 
@@ -72,16 +72,20 @@ class PublishTimeout(TimeoutError):
     """Some actors did not apply a publish within the publisher's ``timeout_s`` (hung, stopped, or overloaded)."""
 
 
+PUBLISH_TIMEOUT_S = 600.0  # a publisher made without a limit of its own (the driver gives the publish phase's)
+
+
 class ObjectStorePublisher:
     """Publish through Ray's object store to ``actors`` (handles with ``update_weights``; see module docstring).
-    ``timeout_s``: how long every actor has to apply a publish (None: no limit); one that does not is named in a
-    ``PublishTimeout`` instead of holding the driver forever (a stopped actor never answers)."""
+    ``timeout_s``: how long every actor has to apply a publish; one that does not is named in a ``PublishTimeout``
+    instead of holding the driver forever (a stopped actor never answers). ``stops``: the run's ``StopRequests``,
+    looked at every second of the wait: a stop request ends the publish at once (``StopRequested``)."""
 
     method = "object_store"
 
-    def __init__(self, actors: Sequence[Any], timeout_s: float | None = None):
+    def __init__(self, actors: Sequence[Any], timeout_s: float = PUBLISH_TIMEOUT_S, stops: Any = None):
         self.actors = list(actors)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.stops = timeout_s, stops
 
     def member_restarted(self) -> None:
         """Nothing to do: every publish reaches whoever holds a handle."""
@@ -102,13 +106,12 @@ class ObjectStorePublisher:
             ref, size = ray.put(dict(state)), _nbytes(state)
         put_s = time.perf_counter() - t0
         calls = [a.update_weights.remote(version, ref) for a in self.actors]
-        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=self.timeout_s, fetch_local=False)
-        if len(ready) < len(calls):
-            done = set(ready)
-            silent = [i for i, c in enumerate(calls) if c not in done]
-            raise PublishTimeout(f"rollout actor(s) {silent} did not apply version {version} within "
-                                 f"{self.timeout_s:g} s")
-        results = ray.get(calls, timeout=self.timeout_s)  # all ready: this only fetches their small answers
+        try:
+            results = wait_phase(calls, self.timeout_s, f"the publish of version {version}", f"{self.timeout_s:g} s",
+                                 self.stops, on_stop="abandon")
+        except PhaseTimeout as e:
+            raise PublishTimeout(f"rollout actor(s) {e.pending} did not apply version {version} within "
+                                 f"{self.timeout_s:g} s") from None
         reported = [s for s in map(_reported_seconds, results) if s is not None]
         return PublishStats(version, self.method, time.perf_counter() - t0, put_s, size, len(self.actors), reported)
 
@@ -126,8 +129,8 @@ class CollectivePublisher:
     method = "collective"
 
     def __init__(self, actors: Sequence[Any], learner: Any, *, backend: str, timeout_s: float,
-                 workers_per_engine: int = 1):
-        self.actors, self.learner = list(actors), learner
+                 workers_per_engine: int = 1, stops: Any = None):
+        self.actors, self.learner, self.stops = list(actors), learner, stops
         self.backend, self.timeout_s, self.workers_per_engine = backend, timeout_s, workers_per_engine
         self.generation = 0
         self.connected = False
@@ -145,11 +148,12 @@ class CollectivePublisher:
         self.connected = True
 
     def _get(self, refs: list, what: str) -> list:
-        """``ray.get(refs)`` within ``timeout_s``; a member that does not answer (stopped, hung) ends the publish
-        with ``PublishTimeout`` naming what waited."""
+        """``refs``' values within ``timeout_s``; a member that does not answer (stopped, hung) ends the publish
+        with ``PublishTimeout`` naming what waited, and a stop request (``stops``) ends it at once."""
         try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except GetTimeoutError:
+            return wait_phase(refs, self.timeout_s, what, f"weight_sync.timeout_s={self.timeout_s:g} s", self.stops,
+                              on_stop="abandon")
+        except PhaseTimeout:
             raise PublishTimeout(f"{what}: a member did not answer within weight_sync.timeout_s={self.timeout_s:g} s "
                                  "(hung or stopped)") from None
 
@@ -196,15 +200,17 @@ class CollectivePublisher:
             self.learner.close_weight_group()
 
 
-def create_publisher(method: str, actors: Sequence[Any], learner: Any = None, actor_timeout_s: float | None = None,
+def create_publisher(method: str, actors: Sequence[Any], learner: Any = None,
+                     actor_timeout_s: float = PUBLISH_TIMEOUT_S, stops: Any = None,
                      **collective: Any) -> WeightPublisher:
     """``weight_sync.method`` -> publisher. ``actor_timeout_s``: the object-store path's limit for every actor to
-    apply a publish. ``learner`` and ``collective`` (``CollectivePublisher``'s keyword arguments): the collective
-    path's (its ``timeout_s`` bounds a publish)."""
+    apply a publish (the driver gives the publish phase's, ``driver.limits.phase_limit``). ``learner`` and
+    ``collective`` (``CollectivePublisher``'s keyword arguments): the collective path's (its ``timeout_s`` bounds each
+    of a publish's waits). ``stops``: the run's ``StopRequests`` (a stop request ends a publish at once)."""
     if method == "object_store":
-        return ObjectStorePublisher(actors, actor_timeout_s)  # the learner and the collective options play no part
+        return ObjectStorePublisher(actors, actor_timeout_s, stops)  # the learner, the collective options: no part
     if method == "collective":
         if learner is None:
             raise ValueError("weight_sync.method collective needs the learner group (its rank 0 sends)")
-        return CollectivePublisher(actors, learner, **collective)
+        return CollectivePublisher(actors, learner, stops=stops, **collective)
     raise ValueError(f"weight_sync.method {method!r}; allowed: object_store, collective")

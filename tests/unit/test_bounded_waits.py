@@ -56,22 +56,6 @@ LIFETIME: dict[tuple[str, str, str], int] = {
 DRIVER_ALLOWED: dict[tuple[str, str, str], int] = {
     ("driver/cluster.py", "local_ray", "ray.init without a bound (use call_within)"): 1,
     ("driver/cluster.py", "ray_init", "ray.init without a bound (use call_within)"): 1,
-    ("driver/evaluation.py", "EvaluationBeside.poll", "ray.get not through async_agent_rl.waits.bounded"): 1,
-    ("driver/evaluation.py", "EvaluationBeside.poll", "ray.wait not through async_agent_rl.waits.bounded"): 1,
-    ("driver/fleet.py", "Fleet.restart", "ray.get not through async_agent_rl.waits.bounded"): 1,
-    ("driver/fleet.py", "Fleet.restart", "ray.wait not through async_agent_rl.waits.bounded"): 1,
-    ("driver/fleet.py", "Fleet.stall_report", "ray.get not through async_agent_rl.waits.bounded"): 2,
-    ("driver/fleet.py", "Fleet.stop", "ray.get not through async_agent_rl.waits.bounded"): 1,
-    ("driver/fleet.py", "Fleet.stop", "ray.wait not through async_agent_rl.waits.bounded"): 1,
-    ("driver/fleet.py", "Fleet.supervise", "ray.get not through async_agent_rl.waits.bounded"): 2,
-    ("driver/nodes.py", "CoreNodes.lost", "ray.get not through async_agent_rl.waits.bounded"): 1,
-    ("driver/start.py", "observe_components.observe", "ray.get not through async_agent_rl.waits.bounded"): 2,
-    ("driver/train.py", "Trainer._learner_step", "ray.get not through async_agent_rl.waits.bounded"): 1,
-    ("driver/train.py", "Trainer._learner_step", "ray.wait not through async_agent_rl.waits.bounded"): 1,
-    ("driver/train.py", "Trainer.start_components", "ray.get not through async_agent_rl.waits.bounded"): 1,
-    ("driver/weight_sync.py", "CollectivePublisher._get", "ray.get not through async_agent_rl.waits.bounded"): 1,
-    ("driver/weight_sync.py", "ObjectStorePublisher.publish", "ray.get not through async_agent_rl.waits.bounded"): 1,
-    ("driver/weight_sync.py", "ObjectStorePublisher.publish", "ray.wait not through async_agent_rl.waits.bounded"): 1,
 }
 
 
