@@ -173,7 +173,7 @@ def wait_phase(refs: Sequence[Any], limit: float, what: str, said: str, stops: A
             if on_stop == "abandon":
                 raise StopRequested()
             if stops.at + stop_limit < end:
-                end, within = stops.at + stop_limit, f"{stop_limit:.0f} s of the stop request"
+                end, within = stops.at + stop_limit, f"{stop_limit:g} s of the stop request"
         now = time.monotonic()
         if now >= end:
             raise PhaseTimeout(f"{what} did not answer within {within} (hung or stopped)",

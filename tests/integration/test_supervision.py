@@ -267,6 +267,26 @@ def test_a_publish_to_a_hung_actor_fails_in_time_and_supervision_restarts_it(tmp
     assert stats.pid != first_pid and stats.setups == 1 and stats.began and fleet.restarts == {"actor0": 1}
 
 
+def test_a_stop_request_during_a_publish_to_a_hung_actor_ends_it_at_once(tmp_path):
+    """Until 2026-12-07, a SIGTERM during a publish printed ``[stop]`` and the driver went on waiting for the hung
+    actor for the publish's whole limit. Now the publish's wait looks at the stop requests every second and ends."""
+    import threading
+
+    from driver.stops import StopRequested, StopRequests
+    from driver.weight_sync import ObjectStorePublisher
+
+    cfg = load_config(None, ["cluster.actor_timeout_s=60"])
+    fleet = supervised(cfg, tmp_path, HangsOnWeights)
+    ray.get(fleet.actors[0].setup.remote(), timeout=120)
+    stops = StopRequests(say(True), lambda: 1)
+    publisher = ObjectStorePublisher(fleet.actors, 60, stops)
+    threading.Timer(1.0, stops._handle, (15, None)).start()  # SIGTERM, as its handler takes it
+    t0 = time.monotonic()
+    with pytest.raises(StopRequested):
+        publisher.publish(1, ray.put({"w": 1}))
+    assert time.monotonic() - t0 < 10, "the publish waited on after the stop request"
+
+
 @ray.remote(num_cpus=0)
 class StoppedBuffer:
     """A buffer actor stand-in that stopped (SIGSTOP, a hang): it never answers."""

@@ -6,6 +6,8 @@ stopped mid-checkpoint named within the progress timeout): tests/integration/tes
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,9 @@ from async_agent_rl.config import load_config
 from async_agent_rl.errors import error_line
 from async_agent_rl.stats import RolloutStats
 from driver.fleet import Fleet
-from driver.limits import PHASES, RunFailed, phase_limit
+import driver.limits as limits
+from driver.limits import PHASES, SLICE_S, PhaseTimeout, RunFailed, phase_limit, wait_phase
+from driver.stops import StopRequested
 
 pytestmark = pytest.mark.unit
 
@@ -105,3 +109,55 @@ def test_supervise_asks_every_actor_at_once_and_waits_within_one_limit(monkeypat
     # a silent actor is handled as before: with no restart left, the run ends naming it
     assert error_line(err.value) == ("error: rollout actor 1: GetTimeoutError (restarted 0 time(s) already, "
                                      "cluster.max_actor_restarts=0)")
+
+
+# ------------------------------------------------------------------------------------------------ stop requests
+class NeverReady:
+    """``ray.wait`` on references that never become ready: sleeps the slice it is given, as Ray's would."""
+
+    def __init__(self):
+        self.slices: list[float] = []
+
+    def wait(self, refs, num_returns=1, timeout=None, fetch_local=True):
+        self.slices.append(timeout)
+        time.sleep(timeout)
+        return [], list(refs)
+
+
+class Stops:
+    def __init__(self, after_s: float | None):
+        self.signal, self.at = None, 0.0
+        if after_s is not None:
+            threading.Timer(after_s, self.request).start()
+
+    def request(self):
+        self.signal, self.at = 15, time.monotonic()
+
+
+def test_a_phases_wait_is_sliced_and_ends_at_its_limit_naming_what_did_not_answer(monkeypatch):
+    fake = NeverReady()
+    monkeypatch.setattr(limits, "ray", fake)
+    t0 = time.monotonic()
+    with pytest.raises(PhaseTimeout) as err:
+        wait_phase(["a", "b"], 2.5, "the learner (checkpoint of step 2)", "cluster.progress_timeout_s=2.5 s")
+    assert 2.4 < time.monotonic() - t0 < 4
+    assert error_line(err.value) == ("error: the learner (checkpoint of step 2) did not answer within "
+                                     "cluster.progress_timeout_s=2.5 s (hung or stopped)")
+    assert err.value.pending == [0, 1] and max(fake.slices) <= SLICE_S and len(fake.slices) >= 3
+
+
+def test_a_stop_request_ends_a_publish_or_a_start_at_once(monkeypatch):
+    monkeypatch.setattr(limits, "ray", NeverReady())
+    t0 = time.monotonic()
+    with pytest.raises(StopRequested):
+        wait_phase(["a"], 60, "the publish of version 3", "60 s", Stops(after_s=0.5), on_stop="abandon")
+    assert time.monotonic() - t0 < 0.5 + SLICE_S + 1
+
+
+def test_a_checkpoint_under_way_when_a_stop_comes_gets_the_stop_limit_at_most(monkeypatch):
+    monkeypatch.setattr(limits, "ray", NeverReady())
+    t0 = time.monotonic()
+    with pytest.raises(PhaseTimeout) as err:
+        wait_phase(["a"], 60, "the learner (checkpoint of step 4)", "60 s", Stops(after_s=0.5), stop_limit=1.5)
+    assert time.monotonic() - t0 < 0.5 + 1.5 + SLICE_S + 1
+    assert "did not answer within 1.5 s of the stop request" in str(err.value)
