@@ -27,7 +27,7 @@ import ray
 
 from async_agent_rl.config import Config
 from async_agent_rl.waits import bounded
-from driver.limits import REPORT_TIMEOUT_S, ask, cause, eval_limit_s
+from driver.limits import REPORT_TIMEOUT_S, cause, eval_limit_s, phase_limit, test_questions, wait_phase
 from driver.stops import StopRequests
 
 
@@ -122,17 +122,22 @@ class EvaluationBeside:
 class Evaluations:
     """When the held-out evaluations run and where (see the module docstring). ``record(rec, step)``: what records
     a finished evaluation at the learner's ``step`` (``driver.records.Records.eval``); ``beside``: the evaluations
-    beside training, once the evaluator has started (None without ``eval.beside``)."""
+    beside training, once the evaluator has started (None without ``eval.beside``); ``stops``: the run's
+    ``StopRequests`` (an evaluation waited for ends at once on a stop request)."""
 
-    def __init__(self, cfg: Config, record: Callable[[dict | None, int], None]):
-        self.cfg, self.record = cfg, record
+    def __init__(self, cfg: Config, record: Callable[[dict | None, int], None], stops: Any = None):
+        self.cfg, self.record, self.stops = cfg, record, stops
         self.beside: EvaluationBeside | None = None
 
     def waited(self, actor: Any, when: str, step: int, version: int) -> dict:
-        """An evaluation on rollout actor ``actor`` (actor 0), waited for within its limit, and recorded."""
+        """An evaluation on rollout actor ``actor`` (actor 0), waited for within its phase limit (``phase_limit``),
+        and recorded; a stop request ends the wait (``StopRequested``), except at the end of the run."""
         cfg, t = self.cfg, time.monotonic()
-        scores = ask(actor.evaluate.remote(cfg.data.test_files, cfg.eval.num_questions), eval_limit_s(cfg),
-                     f"rollout actor 0 (the evaluation at {when})", key="")
+        limit, said = phase_limit(cfg, "evaluation", cfg.eval.num_questions or test_questions(cfg.data.test_files))
+        # the end's runs after the loop, where a stop has nothing left to cut short: it keeps its whole limit
+        scores = wait_phase([actor.evaluate.remote(cfg.data.test_files, cfg.eval.num_questions)], limit,
+                            f"rollout actor 0 (the evaluation at {when})", said, self.stops, stop_limit=limit,
+                            on_stop="finish" if when == "end" else "abandon")[0]
         rec = {"when": when, "step": step, "version": version, "seconds": time.monotonic() - t, **scores}
         self.record(rec, step)
         return rec

@@ -115,7 +115,7 @@ class Trainer:
         self.checkpoints = Checkpoints(cfg, self.run_dir, self.log.say, self.stops)
         self.nodes = CoreNodes(cfg, self.run_dir)
         self.records = Records(cfg, self.log)
-        self.evaluations = Evaluations(cfg, self.records.eval)
+        self.evaluations = Evaluations(cfg, self.records.eval, self.stops)
 
     @property
     def step(self) -> int:
