@@ -198,8 +198,9 @@ class ProgressWatchdog:
     """When did a learner step last complete, and is that too long ago? (``cluster.progress_timeout_s``)
 
     The clock runs while the driver waits for a step (a batch from the buffer, then the learner's computation), from
-    the moment it asks for one; evaluations, publishes and checkpoints between steps are not counted, and a rollout
-    actor's restart starts the clock again (the restart has its own limit, ``cluster.actor_setup_timeout_s``). The
+    the moment it asks for one; evaluations, publishes and checkpoints between steps are not counted (each has its
+    own limit, ``phase_limit``, which a configured limit bounds too), and a rollout actor's restart starts the clock
+    again (the restart has its own limit, ``cluster.actor_setup_timeout_s``). The
     limit is the configured one, or with none configured ``max(floor, PROGRESS_STEPS x the slowest step so far)``;
     0 turns the watchdog off. ``floor``: ``PROGRESS_FLOOR_S``, or more for a config whose first step is large."""
 

@@ -3,6 +3,7 @@ bounded start, the monitor, and the policy's pad id for the buffer."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, wait
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +15,7 @@ from ray.exceptions import GetTimeoutError
 from async_agent_rl.config import Config
 from async_agent_rl.waits import bounded
 from driver.cluster import resources_line
-from driver.limits import REPORT_TIMEOUT_S, PhaseTimeout, RunFailed, wait_phase
+from driver.limits import REPORT_TIMEOUT_S, SLICE_S, PhaseTimeout, RunFailed, wait_phase
 from driver.prepare import prepare
 from driver.stops import StopRequests
 from monitoring.exporter import RunMonitoring
@@ -61,6 +62,16 @@ def started(cfg: Config, start: Callable[[], Any], what: str = "learner") -> Any
         raise RunFailed(f"the {whom} were not started within cluster.actor_setup_timeout_s="
                         f"{c.actor_setup_timeout_s:g} s (each asks Ray for {asks}; the cluster has "
                         f"{resources_line(ray.cluster_resources())})") from None
+
+
+def learner_started(cfg: Config, start: Future, stops: StopRequests) -> Any:
+    """The learner group whose start runs in a thread (``start``; it is bounded by ``cluster.actor_setup_timeout_s``
+    there), waited for in slices that look at ``stops``: a stop request during the start ends it at once
+    (``StopRequested``; Ray's shutdown then ends the ranks' start)."""
+    while not start.done():
+        wait([start], timeout=SLICE_S)
+        stops.check()
+    return started(cfg, start.result)
 
 
 def set_up(cfg: Config, actors: list[Any], buffer: Any, stops: StopRequests) -> list[Any]:

@@ -60,7 +60,7 @@ from driver.reaper import reaper
 from driver.records import Records
 from driver.restore import Restored, restore, resume_inputs, taken_up_lines
 from driver.run_folder import hold, set_aside_earlier_run
-from driver.start import observe_components, pad_id, prepare_inputs, set_up, start_monitoring, started
+from driver.start import learner_started, observe_components, pad_id, prepare_inputs, set_up, start_monitoring
 from driver.stops import StopRequested, StopRequests
 from driver.versions import PolicyVersions
 from driver.weight_sync import create_publisher
@@ -219,44 +219,44 @@ class Trainer:
         check_job_paths(cfg, ray.nodes(), job_runtime_env())  # a job's relative paths, several nodes
         link_ray_logs(self.run_dir / "ray_logs")
         # The slow starts overlap, each mostly one core: the learner ranks (DeepSpeed) start in a thread while the
-        # retriever server builds its index and the rollout actors start their engines (which need its URL). On
-        # the quickstart, one after the other took about 55 s.
+        # retriever server builds its index and the rollout actors start their engines (which need its URL); on the
+        # quickstart, one after the other took ~55 s. A stop does not wait for the thread: Ray's shutdown ends it.
         learner_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": self.policy_path})})
         restored: Restored | None = None
-        with ThreadPoolExecutor(1, thread_name_prefix="start-learner") as pool:
-            learner = pool.submit(create_learner_group, learner_cfg)
-            retriever: ServerProcess | None = None  # the retrieval server the run started (None: the user's URL)
-            if not cfg.retriever.url:  # a child process the fleet supervises; the user's server is theirs to keep up
-                retriever = stack.enter_context(
-                    spawn_server(cfg.data.corpus_file, cfg.retriever, log_file=self.run_dir / "retriever.log"))
-                self.url = retriever.url
-            self.log.say(f"[start] retriever {self.url}")
-            exposed = None if cfg.retriever.url else exposure_warning(cfg.retriever.host)  # a server the run started
-            if exposed:
-                log.info(exposed)  # the log file's copy: the terminal has the [warn] line
-                self.log.say(f"[warn] {exposed}")
-            self.mon = start_monitoring(cfg, self.run_dir, self.url, stack, self.log.say)
-            self.buffer = create_buffer_actor(cfg, pad_id=pad.result())
-            n = cfg.monitoring.episodes_per_step  # a sample of each step's batch for the run viewer
-            self.episodes = EpisodeSample(self.run_dir, self.policy_path, per_step=n) if n else None
-            actor_model = self.policy_path
-            if self.resume_from is not None:  # the actors start at the learner's restored version
-                self.learner = self.versions.learner = started(cfg, learner.result)
-                restored = restore(self.resume_from, cfg, self.run_dir, self.policy_path, self.learner, self.buffer,
-                                   self.versions, self.log.say, self.stops)
-                actor_model = str(self.resume_from / "policy")
-            actors = create_rollout_actors(cfg, self.url, actor_model, self.versions.version,
-                                           max_restarts=cfg.cluster.max_actor_restarts)
-            evaluators = [create_evaluator(cfg, self.url, actor_model, self.versions.version)] * cfg.evaluators
-            infos = set_up(cfg, actors + evaluators, self.buffer, self.stops)
-            if evaluators:
-                beside = self.evaluations.beside = EvaluationBeside(cfg, evaluators[0], self.log.say)
-                if restored is not None:
-                    beside.finished, beside.skipped = restored.evals_beside, restored.evals_skipped
-                infos = infos[: len(actors)]
-                self.log.say("[start] evaluator: evaluations every "
-                             f"{cfg.eval.every_steps} steps run beside training on an engine of their own")
-            self.learner = self.versions.learner = started(cfg, learner.result)
+        stack.callback((pool := ThreadPoolExecutor(1, thread_name_prefix="start-learner")).shutdown, wait=False)
+        learner = pool.submit(create_learner_group, learner_cfg)
+        retriever: ServerProcess | None = None  # the retrieval server the run started (None: the user's URL)
+        if not cfg.retriever.url:  # a child process the fleet supervises; the user's server is theirs to keep up
+            retriever = stack.enter_context(
+                spawn_server(cfg.data.corpus_file, cfg.retriever, log_file=self.run_dir / "retriever.log"))
+            self.url = retriever.url
+        self.log.say(f"[start] retriever {self.url}")
+        exposed = None if cfg.retriever.url else exposure_warning(cfg.retriever.host)  # a server the run started
+        if exposed:
+            log.info(exposed)  # the log file's copy: the terminal has the [warn] line
+            self.log.say(f"[warn] {exposed}")
+        self.mon = start_monitoring(cfg, self.run_dir, self.url, stack, self.log.say)
+        self.buffer = create_buffer_actor(cfg, pad_id=pad.result())
+        n = cfg.monitoring.episodes_per_step  # a sample of each step's batch for the run viewer
+        self.episodes = EpisodeSample(self.run_dir, self.policy_path, per_step=n) if n else None
+        actor_model = self.policy_path
+        if self.resume_from is not None:  # the actors start at the learner's restored version
+            self.learner = self.versions.learner = learner_started(cfg, learner, self.stops)
+            restored = restore(self.resume_from, cfg, self.run_dir, self.policy_path, self.learner, self.buffer,
+                               self.versions, self.log.say, self.stops)
+            actor_model = str(self.resume_from / "policy")
+        actors = create_rollout_actors(cfg, self.url, actor_model, self.versions.version,
+                                       max_restarts=cfg.cluster.max_actor_restarts)
+        evaluators = [create_evaluator(cfg, self.url, actor_model, self.versions.version)] * cfg.evaluators
+        infos = set_up(cfg, actors + evaluators, self.buffer, self.stops)
+        if evaluators:
+            beside = self.evaluations.beside = EvaluationBeside(cfg, evaluators[0], self.log.say)
+            if restored is not None:
+                beside.finished, beside.skipped = restored.evals_beside, restored.evals_skipped
+            infos = infos[: len(actors)]
+            self.log.say("[start] evaluator: evaluations every "
+                         f"{cfg.eval.every_steps} steps run beside training on an engine of their own")
+        self.learner = self.versions.learner = learner_started(cfg, learner, self.stops)
         self.versions.publisher = create_publisher(
             cfg.weight_sync.method, actors, self.learner, stops=self.stops,
             actor_timeout_s=phase_limit(cfg, "publish", model_bytes(self.policy_path))[0],

@@ -167,3 +167,26 @@ def test_sigterm_during_the_warm_start_stops_it_at_the_next_step_unsaved(tmp_pat
     assert not (tmp_path / "sft" / "config.json").exists(), "a stopped warm start must not be saved as one"
     assert "Traceback" not in "\n".join(run.err), run.text()
     assert took < 120, f"the warm start went on for {took:.0f} s after SIGTERM"
+
+
+def test_sigterm_during_the_start_stops_the_run_at_once_with_one_closing_line(tmp_path, world_dir, tiny_model_dir):
+    """Until 2026-12-07, the run's SIGTERM handler was put back only once every component had started (``ray.init``
+    puts its own in place of it, whose ``sys.exit`` inside Ray's C++ code ends in SIGABRT), and the start's waits (the
+    rollout actors' setup, the learner's start) never looked at a stop request. Now the handler is back right after
+    ``ray.init`` and those waits look at the stop requests every second."""
+    cfg = config_file(tmp_path, world_dir, tiny_model_dir, "learner.total_steps=50")
+    run = Run([str(Path(sys.executable).parent / "async-agent-rl"), "train", "--config", str(cfg)])
+    try:
+        run.wait_for("[start] retriever", timeout_s=240)  # Ray is up; the learner and the rollout actors start
+        run.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        rc = run.finish(timeout_s=150)
+    finally:
+        run.kill()
+    took = time.monotonic() - sent
+    assert rc == 128 + signal.SIGTERM, run.text()
+    assert run.out[-1].startswith("[stopped] SIGTERM at step 0 of 50: no step yet"), run.text()
+    err = "\n".join(run.err)
+    assert "Traceback" not in err and "SIGABRT" not in err and "error:" not in err, run.text()
+    assert not any(x.startswith("[start] rollout actor") or "step  1/50" in x for x in run.out), run.text()
+    assert took < 90, f"the start went on for {took:.0f} s after SIGTERM"
