@@ -225,7 +225,7 @@ def test_ray_job_submit_runs_a_short_training_to_completion(ray_cluster, tmp_pat
     nodes = json.loads(nodes[nodes.index("["):])
     second = [n["node_id"] for n in nodes if not n.get("is_head_node") and n.get("state") == "ALIVE"]
     assert len(nodes) == 2 and len(second) == 1, nodes
-    placed = re.search(r"rollout actors \[\{'index': 0, 'node': '([0-9a-f]+)'", logs)
+    placed = re.search(r"\[start\] rollout actor 0 on node ([0-9a-f]+):", logs)
     assert placed and second[0].startswith(placed.group(1)), (placed and placed.group(0), second)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == TOTAL_STEPS and summary["episodes"] > 0, summary
