@@ -28,7 +28,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not etas or min(etas) < 0:
             print(f"error: --etas needs at least one value >= 0, got {args.etas!r}", file=sys.stderr)
             return 2
-        arms = staleness_arms(etas, ppo=args.seeds is not None)
+        arms = staleness_arms(etas, ppo=args.seeds is not None and args.ppo_arm)
     elif kind == "ablations":
         names = [x.strip() for x in args.studies.split(",") if x.strip()]
         unknown = [n for n in names if n not in STUDIES]
@@ -117,6 +117,9 @@ def register(subparsers: Any) -> None:
                            "with it, bench staleness adds a standard-PPO arm at the largest eta")
         if kind == "staleness":
             p.add_argument("--etas", default="0,1,2,4,8", help="comma-separated max_staleness values")
+            p.add_argument("--ppo-arm", action=argparse.BooleanOptionalAction, default=True,
+                           help="with --seeds, the standard-PPO arm at the largest eta (--no-ppo-arm: none, e.g. "
+                           "when one study runs once per algorithm.proximal mode)")
         elif kind == "ablations":
             p.add_argument("--studies", default=",".join(DEFAULT_STUDIES),
                            help=f"comma-separated, from {', '.join(STUDIES)}")

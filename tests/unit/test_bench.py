@@ -310,3 +310,27 @@ def test_the_learning_report_gives_each_group_of_arms_its_own_mean_and_worst(tmp
     assert "| worlds (`--seeds`) | 2 | 0.700 ± 0.100 (worst 0.600) | 0.600 ± 0.100 (worst 0.500) |" in table
     assert "| warm starts (`--warm-start-seeds`) | 3 | 0.700 ± 0.115 (worst 0.500) |" in table
     assert "| thread counts (`--sft-threads`) | 1 | 0.500 ± n/a (worst 0.500) |" in table
+
+
+@pytest.mark.parametrize("flags, names", [
+    ([], ["eta0", "eta8", "eta8-ppo"]),
+    (["--no-ppo-arm"], ["eta0", "eta8"]),
+])
+def test_bench_staleness_with_seeds_adds_the_standard_ppo_arm_unless_told_not_to(monkeypatch, flags, names):
+    import argparse
+
+    import driver.bench.cli as cli
+
+    seen = {}
+
+    def fake_seeds(args, kind, arms, base, out, command):
+        seen["arms"] = [a.name for a in arms]
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_bench_seeds", fake_seeds)
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["bench", "staleness", "--config", "configs/quickstart.yaml", "--seeds", "0",
+                              "--etas", "0,8", *flags])
+    assert cli.cmd_bench(args) == 0
+    assert seen["arms"] == names
