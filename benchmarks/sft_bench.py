@@ -21,6 +21,15 @@ order, each batch padded to its longest row):
   computed once per batch, ``shared_prefix_nll``), at the same fixed thread count;
 - ``ours-auto``: the same with ``ThreadTuner.for_machine()`` choosing the thread count, as ``run_sft`` does;
 - ``before`` (with ``--before REV``): the same two functions from ``warm_start/sft.py`` at git revision REV.
+- ``ours-bf16`` (with ``--bf16``): ``ours`` under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (matrix products
+  in bfloat16, which processors with AVX-512 BF16 or AMX run natively; the loss in float32);
+- ``ours-math`` (with ``--sdpa-math``): ``ours`` with attention on SDPA's math backend (plain matrix products and
+  softmax) instead of its CPU flash kernel;
+- ``ours-bN`` (with ``--wide-batch N``, demonstrations only): ``ours`` on batches of N demonstrations (the first
+  ``--sft-steps`` x batch size / N batches of ``epoch_batches`` at batch size N): tokens/s at a wider batch.
+
+``--profile`` also prints where ``ours``' demonstration steps spend their time (torch's profiler, top operators by
+self CPU time, at the first ``--threads`` count), after the timed rounds.
 
 ``--threads`` lists the fixed torch thread counts to run ``bare``, ``ours`` (and ``before``) at. The arms run in
 alternation, ``--rounds`` times, so a shared machine's changing load falls on all of them; reported per phase:
@@ -106,6 +115,19 @@ def bare_sft(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor, torch.T
         opt.step()
 
 
+def profile_table(run: Callable[[Any], None], model0: Any, threads: int, rows: int = 20) -> str:
+    """``run`` on a copy of ``model0`` under torch's profiler at ``threads`` threads: the top ``rows`` operators
+    by self CPU time, as torch prints them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(threads)
+    model = copy.deepcopy(model0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(model)
+    return f"profile of ours' demonstration steps at {threads} threads:\n" + \
+        prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/quickstart.yaml")
@@ -117,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True, help="run ours-auto")
     ap.add_argument("--before", help="git revision (or file) whose warm_start/sft.py loop also runs (e.g. HEAD~1)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bf16", action="store_true", help="also ours under bfloat16 autocast (arm ours-bf16)")
+    ap.add_argument("--sdpa-math", action="store_true", help="also ours on SDPA's math backend (arm ours-math)")
+    ap.add_argument("--wide-batch", type=int, help="also ours on demonstration batches of this size (arm ours-bN)")
+    ap.add_argument("--profile", action="store_true", help="print the top operators of ours' demonstration steps")
     record.add_out_argument(ap)
     args = ap.parse_args(argv)
     with record.Recording(args.out, __file__, argv, vars(args)) as rec:
@@ -165,11 +191,31 @@ def bench(args: argparse.Namespace) -> dict:
                                   s.seed, ours.PRETRAIN_SEQ_LEN, **kw)
         return run
 
-    def lib_sft(mod: Any, tuner: Any = None) -> Callable[[Any], None]:
+    def lib_sft(mod: Any, tuner: Any = None, plan: list = plan) -> Callable[[Any], None]:
         def run(model: Any) -> None:
             kw = {"threads": tuner()} if tuner else {}
             mod.train_on_demos(model, demos, plan, s.lr, s.warmup_steps, pad_id, lambda m: None, **kw)
         return run
+
+    def bf16(run: Callable[[Any], None]) -> Callable[[Any], None]:
+        def autocast_run(model: Any) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                run(model)
+        return autocast_run
+
+    def math_sdpa(run: Callable[[Any], None]) -> Callable[[Any], None]:
+        def math_run(model: Any) -> None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.MATH):
+                run(model)
+        return math_run
+
+    wide_plan: list = []
+    tokens_of = {"pretrain": pre_tokens, "sft": sft_tokens}  # per arm name where it differs (ours-bN)
+    if args.wide_batch:
+        n = max(1, len(plan) * s.batch_size // args.wide_batch)
+        wide_plan = ours.epoch_batches([d.total_length for d in demos], args.wide_batch, 1, s.seed)[:n]
+        tokens_of[f"ours-b{args.wide_batch}"] = sum(demos[i].total_length for rows in wide_plan for i in rows)
 
     threads = [int(t) for t in args.threads.split(",")]
     arms: list[tuple[str, int | None, str, Callable[[Any], None]]] = []  # (name, threads, phase, run)
@@ -179,6 +225,13 @@ def bench(args: argparse.Namespace) -> dict:
                  ("ours", t, "pretrain", lib_pretrain(ours)), ("ours", t, "sft", lib_sft(ours))]
         if before:
             arms += [("before", t, "pretrain", lib_pretrain(before)), ("before", t, "sft", lib_sft(before))]
+        if args.bf16:
+            arms += [("ours-bf16", t, "pretrain", bf16(lib_pretrain(ours))), ("ours-bf16", t, "sft", bf16(lib_sft(ours)))]
+        if args.sdpa_math:
+            arms += [("ours-math", t, "pretrain", math_sdpa(lib_pretrain(ours))),
+                     ("ours-math", t, "sft", math_sdpa(lib_sft(ours)))]
+        if args.wide_batch:
+            arms += [(f"ours-b{args.wide_batch}", t, "sft", lib_sft(ours, plan=wide_plan))]
     if args.auto:
         arms += [("ours-auto", None, "pretrain", lib_pretrain(ours, ours.ThreadTuner.for_machine)),
                  ("ours-auto", None, "sft", lib_sft(ours, ours.ThreadTuner.for_machine))]
@@ -201,8 +254,9 @@ def bench(args: argparse.Namespace) -> dict:
     torch.set_num_threads(default_threads)
 
     results = []
-    for phase, tokens in (("pretrain", pre_tokens), ("sft", sft_tokens)):
-        rates = {(n, t): args.rounds * tokens / sec for (n, t, ph), sec in seconds.items() if ph == phase}
+    for phase in ("pretrain", "sft"):
+        rates = {(n, t): args.rounds * tokens_of.get(n, tokens_of[phase]) / sec
+                 for (n, t, ph), sec in seconds.items() if ph == phase}
         best_bare = max(v for (n, _), v in rates.items() if n == "bare")
         for (n, t), rate in rates.items():
             ref = best_bare if t is None else rates[("bare", t)]
@@ -212,6 +266,8 @@ def bench(args: argparse.Namespace) -> dict:
     for row in results:
         print(f"{row['phase']:9s} {row['arm']:10s} {str(row['threads']):>7s} {row['tokens_per_s']:10,.0f} "
               f"{row['ratio_to_bare']:7.3f}")
+    if args.profile:
+        print(profile_table(lambda m: lib_sft(ours)(m), model0, threads[0]), flush=True)
     summary = {"bench": "sft", "rounds": args.rounds, "padding": round(padding, 4), "results": results}
     print(json.dumps(summary))
     return summary | {"pretrain_steps": len(windows), "pretrain_tokens": pre_tokens, "sft_steps": len(plan),
