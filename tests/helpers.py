@@ -116,6 +116,40 @@ def end_processes(procs: list, grace_s: float) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def cli() -> list[str]:
+    """The venv's ``async-agent-rl`` console script (the one beside this interpreter), else ``python -m``."""
+    import sys
+
+    exe = Path(sys.executable).parent / "async-agent-rl"
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "driver.cli"]
+
+
+def end_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM ``proc``'s session (started with ``start_new_session=True``: its process group id is its pid) and
+    every descendant (Ray's local processes, vLLM engine cores), then SIGKILL what is left after ``grace_s``. Only
+    processes the test started are touched."""
+    import psutil
+
+    try:
+        parent = psutil.Process(proc.pid)
+        family = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    end_processes(family, grace_s)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def cluster_processes(temp_dir: Path, sid: int | None) -> list:
     """A Ray cluster's live processes (``psutil.Process``): those of the session it was started in (``sid``: Ray's
     daemons, the client server included, stay in it even once ``ray start`` has exited), those naming ``temp_dir``

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
@@ -32,7 +29,7 @@ from monitoring.prom import (
     DASHBOARD, check_dashboard, dashboard_queries, prometheus_binary, query_range, start_prometheus, targets,
     write_config,
 )
-from tests.helpers import end_processes
+from tests.helpers import cli, end_tree
 
 pytestmark = pytest.mark.slow
 
@@ -59,33 +56,8 @@ needs_prometheus = pytest.mark.skipif(
 )
 
 
-def cli() -> list[str]:
-    """The venv's ``async-agent-rl`` console script (the one beside this interpreter), else ``python -m``."""
-    exe = Path(sys.executable).parent / "async-agent-rl"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "driver.cli"]
 
 
-def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM ``proc``'s session and every descendant (Ray's local processes, vLLM engine cores), then SIGKILL
-    what is left after ``grace_s``. Only processes this test started are touched."""
-    try:
-        parent = psutil.Process(proc.pid)
-        family = [parent, *parent.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        family = []
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)  # start_new_session=True: its process group id is its pid
-    except (ProcessLookupError, PermissionError):
-        pass
-    end_processes(family, grace_s)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def small_run_overrides(out_dir: Path, world_dir: Path, model_dir: Path) -> list[str]:
@@ -149,7 +121,7 @@ def test_every_dashboard_query_has_data_from_a_real_training_run(tmp_path, reque
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    request.addfinalizer(lambda: kill_tree(proc))
+    request.addfinalizer(lambda: end_tree(proc))
 
     # While it runs: the run's targets must show up in Prometheus through the shared discovery file, and be up.
     seen_up: set[str] = set()
@@ -158,7 +130,7 @@ def test_every_dashboard_query_has_data_from_a_real_training_run(tmp_path, reque
         seen_up |= {t["labels"]["job"] for t in targets(prom.url) if t["health"] == "up"}
         time.sleep(1.0)
     if proc.poll() is None:
-        kill_tree(proc)
+        end_tree(proc)
         pytest.fail(f"training did not finish within {RUN_TIMEOUT_S} s; log tail:\n{tail(log_path)}")
     assert proc.returncode == 0, f"training exited with {proc.returncode}; log tail:\n{tail(log_path)}"
     time.sleep(2.5)  # the last scrapes are in; the run's exporters are gone by now

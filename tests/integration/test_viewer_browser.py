@@ -25,16 +25,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.helpers import end_processes, plain_env, world_overrides
+from tests.helpers import cli, end_tree, plain_env, world_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -52,30 +50,8 @@ needs_browser = pytest.mark.skipif(
 )
 
 
-def cli() -> list[str]:
-    exe = Path(sys.executable).parent / "async-agent-rl"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "driver.cli"]
 
 
-def end_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM ``proc``'s session (it was started in one of its own) and every descendant; SIGKILL what is left."""
-    try:
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        family = []
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    end_processes(family, grace_s)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def browser():

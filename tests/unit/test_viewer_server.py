@@ -7,7 +7,6 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,16 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import listening_sockets
+from tests.helpers import cli, listening_sockets
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cli() -> list[str]:
-    exe = Path(sys.executable).parent / "async-agent-rl"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "driver.cli"]
 
 
 def get(url: str) -> tuple[int, dict, bytes]:
