@@ -37,11 +37,16 @@ def _beside(evaluator, lines):
     return EvaluationBeside(cfg, evaluator, lines.append)
 
 
-def _dead(actor) -> bool:
-    try:
-        ray.get(actor.ping.remote(), timeout=30)
-    except ray.exceptions.RayActorError:
-        return True
+def _dead(actor, within_s: float = 30.0) -> bool:
+    """True once the actor no longer answers (``ray.kill`` is asynchronous: a ping sent just after it may still be
+    answered, so ask again until ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=within_s)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.2)
     return False
 
 
