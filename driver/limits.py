@@ -126,7 +126,9 @@ def phase_limit(cfg: Config, phase: str, size: float = 0) -> tuple[float, str]:
     - checkpoint, restore: ``CHECKPOINT_COPIES`` x the policy's bytes at ``SLOWEST_DISK_BYTES_PER_S``, at least
       ``cluster.actor_timeout_s``;
     - publish: the policy's bytes at ``SLOWEST_PUBLISH_BYTES_PER_S``, at least ``cluster.actor_timeout_s``; on the
-      collective path ``weight_sync.timeout_s`` (each of its waits' own limit);
+      collective path ``weight_sync.timeout_s`` (each of its waits' own limit). It bounds every wait of a publish
+      (``driver.weight_sync.create_publisher``): the rollout actors applying it, the collective group's waits, and
+      the learner's ranks gathering the weights (``LearnerGroup.state_dict_ref``, ``prepare_publish``);
     - evaluation: ``evaluation_s`` of the questions on one rollout actor.
 
     ``cluster.progress_timeout_s`` set by the user (not None, not 0) bounds every one of them: no phase between steps

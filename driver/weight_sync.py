@@ -40,6 +40,7 @@ import torch
 
 from async_agent_rl.stats import PublishStats
 from driver.limits import PhaseTimeout, wait_phase
+from learner.actor import LearnerTimeout
 
 State = Mapping[str, Union[np.ndarray, torch.Tensor]]
 
@@ -54,8 +55,15 @@ class WeightPublisher(Protocol):
     def close(self) -> None: ...
 
 
-def _without(actors: Sequence[Any], actor: Any) -> list[Any]:
-    return [a for a in actors if a._actor_id != actor._actor_id]
+def _without(actors: Sequence[Any], names: Sequence[str], actor: Any) -> tuple[list[Any], list[str]]:
+    """``actors`` and their ``names`` without ``actor``."""
+    kept = [(a, n) for a, n in zip(actors, names) if a._actor_id != actor._actor_id]
+    return [a for a, _ in kept], [n for _, n in kept]
+
+
+def _names(actors: Sequence[Any]) -> list[str]:
+    """How an error line names each rollout actor (its number in the run, kept when another is removed)."""
+    return [f"rollout actor {i}" for i in range(len(actors))]
 
 
 def _nbytes(state: State) -> int:
@@ -84,7 +92,7 @@ class ObjectStorePublisher:
     method = "object_store"
 
     def __init__(self, actors: Sequence[Any], timeout_s: float = PUBLISH_TIMEOUT_S, stops: Any = None):
-        self.actors = list(actors)
+        self.actors, self.names = list(actors), _names(actors)
         self.timeout_s, self.stops = timeout_s, stops
 
     def member_restarted(self) -> None:
@@ -92,7 +100,7 @@ class ObjectStorePublisher:
 
     def remove(self, actor: Any) -> None:
         """``actor`` (given up by the run) gets no more publishes."""
-        self.actors = _without(self.actors, actor)
+        self.actors, self.names = _without(self.actors, self.names, actor)
 
     def close(self) -> None:
         """Nothing to release: the object store frees what no one refers to."""
@@ -110,8 +118,8 @@ class ObjectStorePublisher:
             results = wait_phase(calls, self.timeout_s, f"the publish of version {version}", f"{self.timeout_s:g} s",
                                  self.stops, on_stop="abandon")
         except PhaseTimeout as e:
-            raise PublishTimeout(f"rollout actor(s) {e.pending} did not apply version {version} within "
-                                 f"{self.timeout_s:g} s") from None
+            raise PublishTimeout(f"{', '.join(self.names[i] for i in e.pending)} did not apply version {version} "
+                                 f"within {self.timeout_s:g} s, the publish's limit (hung or stopped)") from None
         reported = [s for s in map(_reported_seconds, results) if s is not None]
         return PublishStats(version, self.method, time.perf_counter() - t0, put_s, size, len(self.actors), reported)
 
@@ -124,16 +132,21 @@ class WeightsRefused(ValueError):
 class CollectivePublisher:
     """Broadcast from the learner's rank 0 (``learner``: a ``LearnerGroup``) into the workers of every engine in
     ``actors``. ``workers_per_engine``: vLLM workers per engine (its tensor-parallel size); ranks are the learner 0,
-    then engine ``i``'s workers from ``1 + i * workers_per_engine``."""
+    then engine ``i``'s workers from ``1 + i * workers_per_engine``. ``timeout_s`` bounds each wait of a publish,
+    the learner's part too (given to ``learner.publishing``), and is the group's own limit."""
 
     method = "collective"
 
     def __init__(self, actors: Sequence[Any], learner: Any, *, backend: str, timeout_s: float,
                  workers_per_engine: int = 1, stops: Any = None):
         self.actors, self.learner, self.stops = list(actors), learner, stops
+        self.names = _names(actors)
         self.backend, self.timeout_s, self.workers_per_engine = backend, timeout_s, workers_per_engine
         self.generation = 0
         self.connected = False
+        publishing = getattr(learner, "publishing", None)
+        if publishing is not None:  # the learner's part of a publish (prepare_publish) gets the same limit
+            publishing(timeout_s, stops)
 
     def connect(self) -> None:
         """Make the group (again): every member leaves the one before and joins the new one."""
@@ -144,17 +157,20 @@ class CollectivePublisher:
         sender = self.learner.join_weight_group(world_size, self.backend, self.timeout_s, self.generation)
         joins = [a.join_weight_group.remote(port, 1 + i * self.workers_per_engine, world_size, self.backend,
                                             self.timeout_s, self.generation) for i, a in enumerate(self.actors)]
-        self._get([sender, *joins], f"joining the weight group (generation {self.generation})")
+        self._get([sender, *joins], f"joining the weight group (generation {self.generation})",
+                  ["the learner", *self.names])
         self.connected = True
 
-    def _get(self, refs: list, what: str) -> list:
+    def _get(self, refs: list, what: str, members: Sequence[str] | None = None) -> list:
         """``refs``' values within ``timeout_s``; a member that does not answer (stopped, hung) ends the publish
-        with ``PublishTimeout`` naming what waited, and a stop request (``stops``) ends it at once."""
+        with ``PublishTimeout`` naming what waited and, given ``members`` (the name of each ref's member), the members
+        that did not answer; a stop request (``stops``) ends it at once."""
         try:
             return wait_phase(refs, self.timeout_s, what, f"weight_sync.timeout_s={self.timeout_s:g} s", self.stops,
                               on_stop="abandon")
-        except PhaseTimeout:
-            raise PublishTimeout(f"{what}: a member did not answer within weight_sync.timeout_s={self.timeout_s:g} s "
+        except PhaseTimeout as e:
+            who = "a member" if members is None else ", ".join(members[i] for i in e.pending)
+            raise PublishTimeout(f"{what}: {who} did not answer within {self.timeout_s:g} s, the publish's limit "
                                  "(hung or stopped)") from None
 
     def member_restarted(self) -> None:
@@ -163,7 +179,7 @@ class CollectivePublisher:
 
     def remove(self, actor: Any) -> None:
         """``actor`` (given up by the run) leaves: the group is made again, without it, before the next publish."""
-        self.actors = _without(self.actors, actor)
+        self.actors, self.names = _without(self.actors, self.names, actor)
         self.connected = False
 
     def publish(self, version: int, state: Any = None) -> PublishStats:
@@ -175,7 +191,7 @@ class CollectivePublisher:
         specs = self.learner.prepare_publish()
         try:
             refusals = [r for r in self._get([a.check_weight_specs.remote(specs) for a in self.actors],
-                                             f"checking the specs of version {version}") if r]
+                                             f"checking the specs of version {version}", self.names) if r]
             if refusals:
                 raise WeightsRefused("; ".join(refusals))
         except BaseException:
@@ -184,7 +200,8 @@ class CollectivePublisher:
         try:
             pending = [a.update_weights_collective.remote(version, specs) for a in self.actors]
             sent = self.learner.broadcast_weights(specs)
-            (size, send_s), *results = self._get([sent, *pending], f"the broadcast of version {version}")
+            (size, send_s), *results = self._get([sent, *pending], f"the broadcast of version {version}",
+                                                 ["the learner", *self.names])
         except BaseException:
             self.connected = False  # a member failed halfway: the group is made again before the next publish
             raise
@@ -197,20 +214,29 @@ class CollectivePublisher:
         sides go with their actors."""
         self.connected = False
         if self.generation:
-            self.learner.close_weight_group()
+            try:
+                self.learner.close_weight_group()
+            except LearnerTimeout:  # a learner stopped or hung holds nothing the run's end needs: Ray's shutdown
+                pass  # ends it, and the run's error line stays the one that named it
 
 
 def create_publisher(method: str, actors: Sequence[Any], learner: Any = None,
                      actor_timeout_s: float = PUBLISH_TIMEOUT_S, stops: Any = None,
                      **collective: Any) -> WeightPublisher:
-    """``weight_sync.method`` -> publisher. ``actor_timeout_s``: the object-store path's limit for every actor to
-    apply a publish (the driver gives the publish phase's, ``driver.limits.phase_limit``). ``learner`` and
-    ``collective`` (``CollectivePublisher``'s keyword arguments): the collective path's (its ``timeout_s`` bounds each
-    of a publish's waits). ``stops``: the run's ``StopRequests`` (a stop request ends a publish at once)."""
+    """``weight_sync.method`` -> publisher. ``actor_timeout_s``: the publish phase's limit
+    (``driver.limits.phase_limit``), which bounds every wait of a publish on either path: every actor applying it
+    (object store), each wait of the collective path (its ``timeout_s``, the group's own limit too, is at most this),
+    and the learner's ranks gathering the weights (given to ``learner``: ``LearnerGroup.publishing``). ``learner``
+    and ``collective`` (``CollectivePublisher``'s keyword arguments): the collective path's. ``stops``: the run's
+    ``StopRequests`` (a stop request ends a publish at once, the learner's part of it too)."""
     if method == "object_store":
-        return ObjectStorePublisher(actors, actor_timeout_s, stops)  # the learner, the collective options: no part
+        publishing = getattr(learner, "publishing", None)
+        if publishing is not None:  # the learner's part of a publish (state_dict_ref) gets the same limit
+            publishing(actor_timeout_s, stops)
+        return ObjectStorePublisher(actors, actor_timeout_s, stops)  # the collective options: no part
     if method == "collective":
         if learner is None:
             raise ValueError("weight_sync.method collective needs the learner group (its rank 0 sends)")
-        return CollectivePublisher(actors, learner, stops=stops, **collective)
+        timeout_s = min(collective.pop("timeout_s", actor_timeout_s), actor_timeout_s)
+        return CollectivePublisher(actors, learner, stops=stops, timeout_s=timeout_s, **collective)
     raise ValueError(f"weight_sync.method {method!r}; allowed: object_store, collective")

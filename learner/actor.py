@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import ray
@@ -28,6 +28,8 @@ from async_agent_rl.waits import bounded
 from async_agent_rl.weight_group import WeightGroup, listen_socket, weight_specs
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.learner import Learner
+
+SLICE_S = 1.0  # a publish's wait on the ranks looks at the run's stop requests this often
 
 
 class LearnerActor:
@@ -130,12 +132,42 @@ class LearnerTimeout(InputError):
 class LearnerGroup:
     """Drives all rank actors together; returns rank 0's results. Every call is bounded: ``timeout_s``
     (``cluster.actor_timeout_s``) for quick ones, ``long_timeout_s`` (``cluster.actor_setup_timeout_s``: as long as
-    loading a model may take) for those that move the whole model (checkpoints, gathering the weights to publish);
-    a rank that does not answer in time raises ``LearnerTimeout``."""
+    loading a model may take) for those that move the whole model (checkpoints, a step), and the publish's limit
+    (``publishing``: the driver's publish phase limit) for gathering the weights to publish (``state_dict_ref``,
+    ``prepare_publish``); a rank that does not answer in time raises ``LearnerTimeout``."""
 
     def __init__(self, actors: list[Any], timeout_s: float = 120.0, long_timeout_s: float = 900.0):
         self.actors = actors
         self.timeout_s, self.long_timeout_s = timeout_s, long_timeout_s
+        self.publish_timeout_s = long_timeout_s  # until the driver gives the publish phase's (``publishing``)
+        self.stops: Any = None
+
+    def publishing(self, timeout_s: float, stops: Any = None) -> None:
+        """The limit of a publish's waits on the ranks (the driver's publish phase limit,
+        ``driver.limits.phase_limit``, passed in: this layer does not import the driver) and the run's stop
+        requests (anything with ``check()``, which raises to end a wait: ``driver.stops.StopRequests``), looked at
+        every ``SLICE_S`` of such a wait."""
+        self.publish_timeout_s, self.stops = timeout_s, stops
+
+    def _publish_wait(self, refs: Sequence[Any], what: str, timeout_s: float | None, stops: Any) -> None:
+        """Until every one of ``refs`` (the ranks' calls of a publish) is ready, not fetching them here, within
+        ``timeout_s`` (None: ``publish_timeout_s``), in ``SLICE_S`` slices with ``stops.check()`` between: a stop
+        request ends a publish at once, a rank stopped (SIGSTOP) or hung is named in ``LearnerTimeout``."""
+        limit = self.publish_timeout_s if timeout_s is None else timeout_s
+        stops = self.stops if stops is None else stops
+        deadline = time.monotonic() + limit
+        pending = list(refs)
+        while True:
+            if stops is not None:
+                stops.check()
+            _, pending = bounded(ray.wait, pending, num_returns=len(pending), fetch_local=False,
+                                 timeout_s=max(0.0, min(SLICE_S, deadline - time.monotonic())),
+                                 what=f"the learner ({what})")
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise LearnerTimeout(f"the learner ({what}, a weight publish) did not answer within {limit:g} s, the "
+                                     "publish's limit (hung or stopped)")
 
     def _get(self, refs: Any, what: str, long: bool = False, limit: float | None = None) -> Any:
         """``ray.get(refs)`` within the call's limit (``limit``, else the group's quick or long one)."""
@@ -169,14 +201,11 @@ class LearnerGroup:
     def bump_version(self) -> int:
         return self._all("bump_version")[0]
 
-    def state_dict_ref(self) -> "ray.ObjectRef":
-        """A reference to rank 0's numpy state dict, for ``ObjectStorePublisher.publish`` (no driver copy)."""
+    def state_dict_ref(self, timeout_s: float | None = None, stops: Any = None) -> "ray.ObjectRef":
+        """A reference to rank 0's numpy state dict, for ``ObjectStorePublisher.publish`` (no driver copy), once
+        every rank has answered within the publish's limit (``timeout_s``, None: the group's ``publishing`` one)."""
         refs = [a.state_dict_for_publish.remote() for a in self.actors]
-        ready, _ = bounded(ray.wait, refs, num_returns=len(refs), fetch_local=False, timeout_s=self.long_timeout_s,
-                           what="the learner (state_dict_for_publish)")
-        if len(ready) < len(refs):
-            raise LearnerTimeout(f"the learner (state_dict_for_publish) did not answer within "
-                                 f"cluster.actor_setup_timeout_s={self.long_timeout_s:g} s (hung or stopped)")
+        self._publish_wait(refs, "state_dict_for_publish", timeout_s, stops)
         return refs[0]
 
     # the collective weight path: see LearnerActor and driver.weight_sync.CollectivePublisher
@@ -187,8 +216,12 @@ class LearnerGroup:
         """Rank 0's join, not waited for (it returns once the engines have joined too)."""
         return self.actors[0].join_weight_group.remote(world_size, backend, timeout_s, generation)
 
-    def prepare_publish(self) -> list:
-        return self._all("prepare_publish", long=True)[0]
+    def prepare_publish(self, timeout_s: float | None = None, stops: Any = None) -> list:
+        """Every rank takes the weights to publish (``LearnerActor.prepare_publish``) within the publish's limit
+        (``timeout_s``, None: the group's ``publishing`` one); rank 0's specs."""
+        refs = [a.prepare_publish.remote() for a in self.actors]
+        self._publish_wait(refs, "prepare_publish", timeout_s, stops)
+        return self._get(refs, "prepare_publish")[0]  # every one is ready: this only fetches the specs
 
     def broadcast_weights(self, specs: list) -> "ray.ObjectRef":
         """Rank 0's broadcast, not waited for (it returns once every receiver has taken every tensor)."""

@@ -511,3 +511,63 @@ def test_rollout_actors_start_without_rays_constructor_argument_line(capfd):
     for actor in actors:
         ray.kill(actor)
     assert RAY_ARGUMENT_LINE not in err, err
+
+
+@ray.remote(num_cpus=0)
+class StoppedDuringPublish:
+    """A learner rank stopped (SIGSTOP) as a publish begins: its part of the publish is taken and never answered."""
+
+    def state_dict_for_publish(self):
+        time.sleep(120)
+
+    def prepare_publish(self):
+        time.sleep(120)
+
+
+@pytest.mark.parametrize("method, part", [("object_store", "state_dict_for_publish"),
+                                          ("collective", "prepare_publish")])
+def test_a_learner_stopped_during_a_publish_is_named_within_the_publish_limit(method, part):
+    """Until 2026-12-07, the learner's part of a publish (``LearnerGroup.state_dict_ref``, ``prepare_publish``) waited
+    the group's long limit (``cluster.actor_setup_timeout_s``, 900 s by default) whatever ``cluster.progress_timeout_s``
+    the user set. Now the publish phase's limit (``driver.limits.phase_limit``, given through ``create_publisher``)
+    bounds it: one error line naming the learner and the publish. (The real process: tests/integration/
+    test_publish_faults.py.)"""
+    from driver.limits import model_bytes, phase_limit
+    from learner.actor import LearnerGroup, LearnerTimeout
+
+    cfg = load_config(None, ["cluster.actor_timeout_s=30", "cluster.actor_setup_timeout_s=60",
+                             "cluster.progress_timeout_s=4", f"weight_sync.method={method}"])
+    rank = StoppedDuringPublish.remote()
+    learner = LearnerGroup([rank], 30, 60)
+    publisher = create_publisher(method, [], learner, actor_timeout_s=phase_limit(cfg, "publish", model_bytes("x"))[0],
+                                 backend="gloo", timeout_s=cfg.weight_sync.timeout_s)
+    if method == "collective":
+        publisher.connected = True  # no engine to join: the learner's part is what is tested
+    t0 = time.monotonic()
+    with pytest.raises(LearnerTimeout) as err:
+        publisher.publish(1, learner.state_dict_ref() if method == "object_store" else None)
+    took = time.monotonic() - t0
+    assert error_line(err.value) == (f"error: the learner ({part}, a weight publish) did not answer within 4 s, the "
+                                     "publish's limit (hung or stopped)")
+    assert took < 15, f"named after {took:.0f} s: the publish's limit is 4 s, the group's long one 60 s"
+    ray.kill(rank)
+
+
+def test_a_stop_request_during_the_learners_part_of_a_publish_ends_it_at_once():
+    """A SIGTERM while the learner gathers the weights to publish: the wait looks at the stop requests every second
+    and ends (``StopRequested``), as the rollout actors' part of a publish does."""
+    import threading
+
+    from driver.stops import StopRequested, StopRequests
+    from learner.actor import LearnerGroup
+
+    stops = StopRequests(say(True), lambda: 1)
+    rank = StoppedDuringPublish.remote()
+    learner = LearnerGroup([rank], 30, 60)
+    create_publisher("object_store", [], learner, actor_timeout_s=60, stops=stops)
+    threading.Timer(1.0, stops._handle, (15, None)).start()  # SIGTERM, as its handler takes it
+    t0 = time.monotonic()
+    with pytest.raises(StopRequested):
+        learner.state_dict_ref()
+    assert time.monotonic() - t0 < 10, "the publish waited on after the stop request"
+    ray.kill(rank)

@@ -176,8 +176,46 @@ def test_a_publish_to_a_stopped_actor_fails_within_the_collective_timeout():
     actor.check_weight_specs = Stopped(log, "check", None)
     pub = CollectivePublisher([actor], FakeLearner(log), backend="gloo", timeout_s=2)
     t0 = time.monotonic()
-    with pytest.raises(PublishTimeout, match=r"checking the specs of version 1: a member did not answer within "
-                                             r"weight_sync.timeout_s=2 s"):
+    with pytest.raises(PublishTimeout, match=r"checking the specs of version 1: rollout actor 0 did not answer within "
+                                             r"2 s, the publish's limit"):
         pub.publish(1)
     assert time.monotonic() - t0 < 10
     assert names(log)[-1] == "discard", log
+
+
+class PublishingLearner(FakeLearner):
+    def publishing(self, timeout_s, stops=None):
+        self.log.append(("publishing", (timeout_s, stops)))
+
+
+def test_the_publish_phase_limit_bounds_the_collective_waits_and_the_learners():
+    """Until 2026-12-07 the collective path waited ``weight_sync.timeout_s`` (300 s by default) whatever
+    ``cluster.progress_timeout_s`` the user set, and the learner's part of a publish the group's long limit. Now the
+    publish phase's limit (``actor_timeout_s``) bounds both."""
+    log = []
+    stops = object()
+    pub = create_publisher("collective", [FakeActor(log)], PublishingLearner(log), actor_timeout_s=60, stops=stops,
+                           backend="gloo", timeout_s=300)
+    assert pub.timeout_s == 60 and log == [("publishing", (60, stops))]
+    pub = create_publisher("collective", [FakeActor(log)], PublishingLearner(log), actor_timeout_s=600,
+                           backend="gloo", timeout_s=300)
+    assert pub.timeout_s == 300, "weight_sync.timeout_s below the phase limit stands"
+    log.clear()
+    create_publisher("object_store", [FakeActor(log)], PublishingLearner(log), actor_timeout_s=60)
+    assert log == [("publishing", (60, None))]
+
+
+def test_a_broadcast_the_learner_does_not_send_names_the_learner():
+    import time
+
+    from driver.weight_sync import PublishTimeout
+
+    log = []
+    learner = FakeLearner(log)
+    learner.broadcast_weights = lambda specs: Stopped(log, "send", None).remote(specs)
+    pub = CollectivePublisher([FakeActor(log), FakeActor(log)], learner, backend="gloo", timeout_s=2)
+    pub.connect()
+    t0 = time.monotonic()
+    with pytest.raises(PublishTimeout, match=r"the broadcast of version 1: the learner did not answer within 2 s"):
+        pub.publish(1)
+    assert time.monotonic() - t0 < 10 and not pub.connected
