@@ -173,6 +173,230 @@ async def run_raw_turns(engine, trajs, concurrency):
     return total, time.perf_counter() - t
 
 
+class Clock:
+    """Seconds and calls summed by name (awaited calls: the time each caller waited, summed over callers)."""
+
+    def __init__(self):
+        self.seconds: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+        self.calls[name] += 1
+
+
+class TimedEngine:
+    """The engine as the episodes see it, each ``generate`` timed from the call to its answer (queueing in the
+    engine included): summed over calls, the requests in the engine integrated over time."""
+
+    def __init__(self, inner, clock: Clock):
+        self.inner, self.clock = inner, clock
+
+    async def generate(self, req):
+        t = time.perf_counter()
+        try:
+            return await self.inner.generate(req)
+        finally:
+            self.clock.add("engine.generate", time.perf_counter() - t)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class TimedSearch:
+    """The search tool, each call timed; keeps every query's hits (``MemorySearch`` answers from them)."""
+
+    def __init__(self, inner, clock: Clock):
+        self.inner, self.clock, self.memory = inner, clock, {}
+
+    async def search(self, query: str):
+        t = time.perf_counter()
+        try:
+            hits = await self.inner.search(query)
+        finally:
+            self.clock.add("search", time.perf_counter() - t)
+        self.memory[query] = hits
+        return hits
+
+
+class MemorySearch:
+    """Search with no retriever: the hits a ``TimedSearch`` recorded for the same query, else recorded hits in
+    turn (observations of the same kind and length, no HTTP call, no server work)."""
+
+    def __init__(self, memory: dict):
+        self.memory, self.recorded, self.i = memory, list(memory.values()), 0
+
+    async def search(self, query: str):
+        if query in self.memory:
+            return self.memory[query]
+        self.i += 1
+        return self.recorded[self.i % len(self.recorded)]
+
+
+class TimedTokenizer:
+    """The episodes' tokenizer, the seconds of each method call summed by name (the event loop is held meanwhile)."""
+
+    def __init__(self, inner, clock: Clock):
+        self.inner, self.clock = inner, clock
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.clock.add(f"tokenizer.{name}", time.perf_counter() - t)
+
+        return timed
+
+    def __len__(self):
+        return len(self.inner)
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this process (the episodes, vLLM's front end: tokenizing,
+    detokenizing, stop strings, output processing), vLLM's engine core (this process's child that is not the
+    retriever) and the retriever server."""
+    import psutil
+
+    me = psutil.Process()
+    out = {"main process (episodes, vLLM front end)": sum(me.cpu_times()[:2])}
+    for child in me.children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+            name = "retriever server" if "retriever" in cmd else "engine core and other children"
+            out[name] = out.get(name, 0.0) + sum(child.cpu_times()[:2])
+        except Exception:  # a child that ended meanwhile
+            continue
+    return out
+
+
+def cpu_delta(before: dict, after: dict) -> dict[str, float]:
+    return {k: round(after.get(k, 0.0) - before.get(k, 0.0), 2) for k in after}
+
+
+async def profile_block(engine, make_runner, examples, chunk: int, args) -> dict:
+    """``--profile``: where the asynchronous arm's tokens/s go against the raw engine's at zero latency. Each round,
+    on one chunk of episodes (prefix cache emptied before each arm): (1) the asynchronous arm instrumented (engine
+    calls, searches, tokenizer calls timed; CPU seconds by process), (2) the same arm with search answered from
+    memory (no retriever), (3) the raw engine on (1)'s episodes; then one asynchronous round under cProfile (this
+    process only: the engine core is another process)."""
+    import cProfile
+    import io
+    import pstats
+
+    from async_agent_rl.episode import EpisodeRunner
+
+    arms: dict[str, dict] = {}
+
+    def account(name, trajs, secs, clock, cpu, generated=None):
+        a = arms.setdefault(name, {"seconds": 0.0, "tokens": 0, "episodes": 0, "turns": 0, "clock": Clock(),
+                                   "cpu": Counter()})
+        a["seconds"] += secs
+        a["tokens"] += generated if generated is not None else sum(t.num_generated_tokens for t in trajs)
+        a["episodes"] += len(trajs)
+        a["turns"] += sum(t.meta.num_turns for t in trajs)
+        a["clock"].seconds.update(clock.seconds)
+        a["clock"].calls.update(clock.calls)
+        a["cpu"].update(cpu)
+
+    memory: dict = {}
+    for r in range(args.rounds):
+        part = examples[r * chunk : (r + 1) * chunk]
+        base = make_runner("none")
+        clock = Clock()
+        search = TimedSearch(base.search, clock)
+        search.memory = memory
+        runner = EpisodeRunner(TimedEngine(engine, clock), search, TimedTokenizer(base.tokenizer, clock), base.s)
+        await fresh_cache(engine)
+        c0 = cpu_seconds()
+        trajs, secs = await run_async(runner, part, args.concurrency, 1)
+        account("asynchronous", trajs, secs, clock, cpu_delta(c0, cpu_seconds()))
+        clock = Clock()
+        runner = EpisodeRunner(TimedEngine(engine, clock), TimedSearch(MemorySearch(memory), clock),
+                               TimedTokenizer(base.tokenizer, clock), base.s)
+        await fresh_cache(engine)
+        c0 = cpu_seconds()
+        mtrajs, msecs = await run_async(runner, part, args.concurrency, 1)
+        account("asynchronous, search from memory", mtrajs, msecs, clock, cpu_delta(c0, cpu_seconds()))
+        clock = Clock()
+        await fresh_cache(engine)
+        c0 = cpu_seconds()
+        tokens, rsecs = await run_raw(TimedEngine(engine, clock), trajs, args.concurrency)
+        account("raw engine", trajs, rsecs, clock, cpu_delta(c0, cpu_seconds()), generated=tokens)
+        print(json.dumps({"profile_round": r, "async_tok_s": round(arms["asynchronous"]["tokens"] / arms[
+            "asynchronous"]["seconds"], 1), "raw_tok_s": round(arms["raw engine"]["tokens"] / arms["raw engine"][
+            "seconds"], 1)}), flush=True)
+    rows = {}
+    raw_rate = arms["raw engine"]["tokens"] / arms["raw engine"]["seconds"]
+    for name, a in arms.items():
+        engine_s = a["clock"].seconds["engine.generate"]
+        tok_s = sum(v for k, v in a["clock"].seconds.items() if k.startswith("tokenizer."))
+        rows[name] = {
+            "episodes": a["episodes"], "seconds": round(a["seconds"], 2), "generated_tokens": a["tokens"],
+            "tokens_per_s": round(a["tokens"] / a["seconds"], 1),
+            "over_raw": round(a["tokens"] / a["seconds"] / raw_rate, 3),
+            "engine_calls": a["clock"].calls["engine.generate"],
+            "mean_requests_in_engine": round(engine_s / a["seconds"], 2),
+            "tokens_per_request_second_in_engine": round(a["tokens"] / engine_s, 2) if engine_s else None,
+            "search_calls": a["clock"].calls["search"], "search_s_per_call": round(
+                a["clock"].seconds["search"] / a["clock"].calls["search"], 4) if a["clock"].calls["search"] else None,
+            "tokenizer_s": round(tok_s, 3),
+            "tokenizer_by_method": {k: [round(v, 3), a["clock"].calls[k]] for k, v in a["clock"].seconds.items()
+                                    if k.startswith("tokenizer.")},
+            "cpu_s": dict(a["cpu"]),
+            "cpu_s_per_1k_tokens": {k: round(1000 * v / a["tokens"], 3) for k, v in a["cpu"].items()},
+        }
+    # one round under cProfile: this process's Python (episodes, vLLM's front end, the HTTP client)
+    prof = cProfile.Profile()
+    await fresh_cache(engine)
+    runner = make_runner("none")
+    prof.enable()
+    ptrajs, psecs = await run_async(runner, examples[:chunk], args.concurrency, 1)
+    prof.disable()
+    tops = {}
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(25)
+        tops[key] = trim_profile(text.getvalue())
+    return {"profile": True, "arms": rows, "profiled_round": {
+        "seconds": round(psecs, 2), "tokens_per_s": round(sum(t.num_generated_tokens for t in ptrajs) / psecs, 1),
+        "top_tottime": tops["tottime"], "top_cumulative": tops["cumulative"]},
+        "load_average_1min": round(os.getloadavg()[0], 1)}
+
+
+def trim_profile(text: str) -> list[str]:
+    """pstats' table lines, each path cut to its package's part (no machine path)."""
+    import re
+
+    cut = re.compile(r"[^\s(]*/(?:site-packages|lib/python3\.\d+)/|[^\s(]*/(?=(?:actors|async_agent_rl|retriever"
+                     r"|benchmarks)/)")
+    return [cut.sub("", line.rstrip()) for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith(("Ordered by", "List reduced"))]
+
+
+def print_profile(block: dict) -> None:
+    """The account of ``profile_block`` as tables."""
+    arms = block["arms"]
+    print("\n| arm | tokens/s | / raw | mean requests in engine | tokens per request-second | engine calls | "
+          "tokenizer s | search s/call | CPU s per 1k tokens (main / engine core / retriever) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, a in arms.items():
+        c = a["cpu_s_per_1k_tokens"]
+        cpu = " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("main process (episodes, vLLM front end)",
+                                                           "engine core and other children", "retriever server"))
+        print(f"| {name} | {a['tokens_per_s']} | {a['over_raw']:.3f} | {a['mean_requests_in_engine']} | "
+              f"{a['tokens_per_request_second_in_engine']} | {a['engine_calls']} | {a['tokenizer_s']} | "
+              f"{a['search_s_per_call']} | {cpu} |")
+    print("\nprofiled asynchronous round (this process), top by tottime:")
+    for line in block["profiled_round"]["top_tottime"][:30]:
+        print("    " + line)
+
+
 async def fresh_cache(engine) -> None:
     """Empty the engine's prefix cache (it is idle between phases), so no phase reuses the previous one's KV."""
     if not await engine.llm.reset_prefix_cache():
@@ -293,6 +517,10 @@ async def run(args, work: Path) -> dict:
                              "load_average_1min": round(os.getloadavg()[0], 1)}
                     print(json.dumps(block), flush=True)
                     blocks.append(block)
+                if args.profile:  # where the asynchronous arm's tokens/s go against the raw engine's
+                    block = await profile_block(engine, runner, examples, chunk, args)
+                    print_profile(block)
+                    blocks.append(block)
                 for c in args.scaling:  # the raw engine's tokens/s against how many sequences share a step
                     n = max(c * 4, 32)  # the same first turns for every concurrency
                     tokens, secs = await run_raw_turns(engine, async_trajs[:n], c)
@@ -328,6 +556,10 @@ if __name__ == "__main__":
     p.add_argument("--stop-ab", action="store_true",
                    help="also compare, at zero latency, the asynchronous arm with one-token stop strings sent as stop "
                         "token ids (as training runs it) against the strings alone")
+    p.add_argument("--profile", action="store_true",
+                   help="also account for the asynchronous arm's tokens/s against the raw engine's at zero latency: "
+                        "engine, search and tokenizer calls timed, CPU seconds by process, an arm with search "
+                        "answered from memory, and one round under cProfile")
     record.add_out_argument(p)
     a = p.parse_args()
     if unknown := [x for x in a.latency if x not in LATENCY_MODELS]:
