@@ -308,8 +308,21 @@ class EngineSilent(RuntimeError):
 
 
 class EngineFailing(RuntimeError):
-    """``failures_in_a_row`` episodes failed one after the other with no episode finishing between them: the engine
-    is dead or not answering (a killed engine core process fails every request at once)."""
+    """The engine said it is dead (vLLM's ``EngineDeadError``: a killed engine core process fails every request at
+    once), or ``failures_in_a_row`` episodes failed one after the other with no episode finishing between them: the
+    engine is dead or not answering."""
+
+
+def engine_dead(e: BaseException) -> bool:
+    """Whether ``e`` says the engine itself is dead (vLLM's ``EngineDeadError``: its engine core process is gone),
+    not only this request failed; it or an exception it was raised from. By name: this module does not import vLLM."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if any(c.__name__ == "EngineDeadError" for c in type(e).__mro__):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _seconds(s: float) -> str:
@@ -583,13 +596,16 @@ class RolloutWorker:
             if not isinstance(e, PromptTooLongError):  # the prompt's fault, not the engine's
                 self.failures_in_a_row += 1
             self._log_failure(e, ex)
-            if self.failures_in_a_row >= self.failures_in_a_row_limit and self.failure is None:
-                # a dead engine fails every episode at once: the worker stops (its actor is then restarted)
-                # instead of admitting and failing groups in a tight loop
+            dead = engine_dead(e)
+            if (dead or self.failures_in_a_row >= self.failures_in_a_row_limit) and self.failure is None:
+                # a dead engine fails every episode at once: the worker stops at its first failure when the engine
+                # says it is dead (vLLM's EngineDeadError), or after a long run of failures in a row, and its actor is
+                # restarted, instead of admitting and failing groups in a tight loop
                 self.failure = ("the engine", EngineFailing(
+                    f"its engine died ({type(e).__name__}: {e})" if dead else
                     f"{self.failures_in_a_row} episodes failed in a row, the last with {type(e).__name__}: {e}"))
-                log.error("rollout worker %s: %d episodes failed in a row; the engine is dead or not answering",
-                          self.actor_id, self.failures_in_a_row)
+                log.error("rollout worker %s: %s; the engine is dead or not answering", self.actor_id,
+                          "its engine died" if dead else f"{self.failures_in_a_row} episodes failed in a row")
                 self._stop.set()
                 self._failed.set()
             await self.on_lost([group_id])
