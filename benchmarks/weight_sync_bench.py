@@ -3,6 +3,7 @@
     python benchmarks/weight_sync_bench.py                       # ~6 minutes on 2 cores
     python benchmarks/weight_sync_bench.py --sizes 1m --publishes 3
     python benchmarks/weight_sync_bench.py --out benchmarks/results/weight_sync/   # also write the run's files there
+    python benchmarks/weight_sync_bench.py --phases --publishes 3 --out benchmarks/results/weight_sync_phases/
 
 For each size (random Qwen2 models on the quickstart's tokenizer: ``1m`` is the quickstart's four-head shape of before 2026-12-01, ``20m`` and
 ``100m`` are wider and deeper), one learner rank (a ``LearnerActor``, DeepSpeed on CPU) and one vLLM engine in a Ray
@@ -16,6 +17,13 @@ actor (CPU build, in-process engine core, ``pause`` mode) are started, then, alt
 The raw costs of the same bytes, no engine: ``ray.put`` in one process and ``ray.get`` in another (an actor), and a
 bare gloo broadcast (``WeightGroup.send`` / ``receive``) from this process to an actor. Reported: the median and
 the minimum of each, in seconds, and the bytes (float32: four per parameter).
+
+``--phases`` also times one publish by each path phase by phase (the learner's gather, copy and finite check, the
+object store or the broadcast, the engine's RAM file, pause, vLLM reload and re-pack), ``--publishes`` times each,
+beside patched arms measured the same way without changing the shipped code: ``head_only`` (the re-pack after the
+reload limited to the tied head), ``sum_check`` (the learner's finite check by one sum per tensor: ``finite_by_sum``),
+``direct_send`` (the broadcast from the live parameters, no float32 copy) and both; then one publish by each path
+under cProfile (the reload's top list), and the learner's own split of ``state_dict_for_publish``.
 
 ``--out DIR`` also writes DIR/result.json (the results by size, as printed; the JSON file ``--out`` named before it
 named a folder), DIR/output.txt (what was printed) and DIR/run.json (command, commit, versions, cores, load average):
@@ -241,6 +249,8 @@ def learner_phases(actor) -> dict[str, float]:
     t = lap(ph, "learner: float32 numpy copy", t)
     require_finite(learner.step, "parameters", iter(state.items()))
     t = lap(ph, "learner: finite check", t)
+    finite_by_sum(learner.step, "parameters", iter(state.items()))
+    t = lap(ph, "learner: finite check by sum (finite_by_sum, patched)", t)
     weight_specs(state)
     t = lap(ph, "learner: specs", t)
     ref = ray_.put(state)
@@ -309,9 +319,14 @@ def time_publishes(store, collective, learner, publishes: int) -> dict[str, list
 
 
 def phased_object_store(host, learner, version: int, profile: bool, variant: str) -> dict:
-    """One object-store publish as the trainer makes it (``state_dict_ref``, then the engine's update), by phase."""
+    """One object-store publish as the trainer makes it (``state_dict_ref``, then the engine's update), by phase.
+    ``variant`` ``sum_check``: the learner's copy checked by ``finite_by_sum`` (``learner_state_sum_check``)."""
     t0 = time.perf_counter()
-    ref = learner.state_dict_ref()
+    if variant == "sum_check":
+        ref = learner.actors[0].__ray_call__.remote(learner_state_sum_check)
+        variant = "stock"
+    else:
+        ref = learner.state_dict_ref()
     ray.wait([ref], fetch_local=False)
     t1 = time.perf_counter()
     called = time.time()
@@ -324,21 +339,26 @@ def phased_object_store(host, learner, version: int, profile: bool, variant: str
 def phased_collective(host, learner, version: int, profile: bool, variant: str) -> dict:
     """One collective publish as ``CollectivePublisher.publish`` makes it, by phase. ``variant`` ``direct_send``:
     the learner sends its live parameters (finite check kept, no float32 numpy copy: ``learner_direct_send``)."""
-    rank0, direct = learner.actors[0], variant == "direct_send"
+    rank0, direct = learner.actors[0], variant.startswith("direct_send")
+    sum_check = variant.endswith("sum_check")
     row: dict[str, float] = {}
     t0 = time.perf_counter()
     if direct:
         specs = ray.get(rank0.__ray_call__.remote(learner_specs))
         t = lap(row, "learner: specs of the live parameters", t0)
+    elif sum_check:
+        specs = ray.get(rank0.__ray_call__.remote(learner_prepare_sum_check))
+        t = lap(row, "learner: prepare_publish (gather, copy, finite check, specs)", t0)
     else:
         specs = ray.get(rank0.prepare_publish.remote())
         t = lap(row, "learner: prepare_publish (gather, copy, finite check, specs)", t0)
     ray.get(host.check_weight_specs.remote(specs))
     t = lap(row, "engine: check the specs", t)
     called = time.time()
-    pending = host.update_weights_collective_phased.remote(version, specs, profile, "stock" if direct else variant)
+    engine_variant = "head_only" if variant == "head_only" else "stock"
+    pending = host.update_weights_collective_phased.remote(version, specs, profile, engine_variant)
     if direct:
-        sent = rank0.__ray_call__.remote(learner_direct_send, specs)
+        sent = rank0.__ray_call__.remote(learner_direct_send, specs, sum_check)
         (check_s, send_s), (entered, ph) = ray.get([sent, pending])
         row["learner: finite check of the live parameters"] = check_s
     else:
@@ -355,20 +375,63 @@ def learner_specs(actor) -> list:
     return weight_specs(dict(actor.learner.full_parameters()))
 
 
-def learner_direct_send(actor, specs) -> tuple[float, float]:
-    """Inside the learner's rank 0: the patched send: the finite check, then the broadcast straight from the live
-    parameters (one rank: no gather; under ZeRO-3 each would be gathered in turn), no float32 numpy copy. Only
-    valid while no step runs (the driver publishes between steps). Returns the check's and the send's seconds."""
+def learner_direct_send(actor, specs, sum_check: bool = False) -> tuple[float, float]:
+    """Inside the learner's rank 0: the patched send: the finite check (``sum_check``: ``finite_by_sum``), then the
+    broadcast straight from the live parameters (one rank: no gather; under ZeRO-3 each would be gathered in turn),
+    no float32 numpy copy. Only valid while no step runs (the driver publishes between steps). Returns the check's
+    and the send's seconds."""
     import time as time_
 
     from learner.learner import require_finite
 
     t = time_.perf_counter()
     state = dict(actor.learner.full_parameters())
-    require_finite(actor.learner.step, "parameters", iter(state.items()))
+    (finite_by_sum if sum_check else require_finite)(actor.learner.step, "parameters", iter(state.items()))
     t1 = time_.perf_counter()
     actor._group.send(state, specs)
     return t1 - t, time_.perf_counter() - t1
+
+
+def finite_by_sum(step: int, what: str, values) -> None:
+    """``require_finite`` (learner/learner.py) with a one-pass fast path: a tensor whose sum is finite holds no NaN
+    or infinity (either makes the sum NaN or infinite), so only the tensors whose sum is not finite (a non-finite
+    element, or finite elements whose float32 sum overflows) get its elementwise check (``torch.isfinite``: a bool
+    tensor as large as the parameter, then a reduction). Same errors, same names."""
+    import math
+
+    import torch
+
+    from learner.learner import require_finite
+
+    suspects = [(name, v) for name, v in values if not math.isfinite(float(torch.as_tensor(v).sum()))]
+    require_finite(step, what, iter(suspects))
+
+
+def learner_state(actor, sum_check: bool) -> dict:
+    """Inside the learner's rank 0 (one rank): ``Learner.state_dict_for_publish``, its finite check ``finite_by_sum``
+    when ``sum_check``."""
+    import torch
+
+    from learner.learner import require_finite
+
+    learner = actor.learner
+    state = {name: p.detach().to("cpu", torch.float32, copy=True).numpy() for name, p in learner.full_parameters()}
+    (finite_by_sum if sum_check else require_finite)(learner.step, "parameters", iter(state.items()))
+    return state
+
+
+def learner_state_sum_check(actor) -> dict:
+    """The patched ``LearnerActor.state_dict_for_publish``: the copy checked by ``finite_by_sum``."""
+    return learner_state(actor, True)
+
+
+def learner_prepare_sum_check(actor) -> list:
+    """The patched ``LearnerActor.prepare_publish``: the copy checked by ``finite_by_sum``, kept for
+    ``broadcast_weights``; returns its specs."""
+    from async_agent_rl.weight_group import weight_specs
+
+    actor._prepared = learner_state(actor, True)
+    return weight_specs(actor._prepared)
 
 
 def finish_row(row: dict, ph: dict, total: float) -> dict:
@@ -384,7 +447,8 @@ def finish_row(row: dict, ph: dict, total: float) -> dict:
 
 
 ARMS = [("object_store", "stock"), ("collective", "stock"), ("object_store", "head_only"), ("collective", "head_only"),
-        ("collective", "direct_send")]
+        ("object_store", "sum_check"), ("collective", "sum_check"), ("collective", "direct_send"),
+        ("collective", "direct_send_sum_check")]
 
 
 def phase_runs(host, learner, version: int, reps: int) -> tuple[dict, int]:
@@ -461,8 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--publishes", type=int, default=5)
     p.add_argument("--phases", action="store_true",
                    help="also time each phase of a publish by each path (learner, object store or broadcast, the "
-                        "engine's pause, reload and re-pack), the stock re-pack against the head-only one, and "
-                        "profile one publish by each path under cProfile (its top list)")
+                        "engine's pause, reload and re-pack) beside patched arms (head-only re-pack, finite check "
+                        "by sum, direct send), and profile one publish by each path under cProfile (its top list)")
     record.add_out_argument(p)
     args = p.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]

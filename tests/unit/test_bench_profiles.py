@@ -108,3 +108,22 @@ def test_cpu_delta_by_process(rollout):
         "main": 2.5, "retriever server": 0.25}
     now = rollout.cpu_seconds()
     assert now["main process (episodes, vLLM front end)"] > 0
+
+
+def test_finite_by_sum_raises_as_require_finite_does(wsync):
+    import numpy as np
+    import torch
+
+    from learner.learner import NonFiniteError
+
+    good = {"a": np.ones((3, 4), np.float32), "b": torch.zeros(5)}
+    wsync.finite_by_sum(7, "parameters", iter(good.items()))
+    # finite elements whose float32 sum overflows: the sum is infinite, the elementwise check clears them
+    wsync.finite_by_sum(7, "parameters", iter({"big": np.full(4, 3e38, np.float32)}.items()))
+    for bad in (np.nan, np.inf, -np.inf):
+        values = {"a": np.ones(4, np.float32), "w": np.array([1.0, bad, 2.0], np.float32), "c": torch.ones(2)}
+        with pytest.raises(NonFiniteError, match=r"learner step 7: non-finite parameters: w;"):
+            wsync.finite_by_sum(7, "parameters", iter(values.items()))
+    both = {"x": np.array([np.inf, -np.inf], np.float32), "y": torch.tensor([float("nan")])}
+    with pytest.raises(NonFiniteError, match=r"non-finite parameters: x, y;"):
+        wsync.finite_by_sum(7, "parameters", iter(both.items()))
