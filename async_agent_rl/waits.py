@@ -14,14 +14,19 @@ at once (a limit held in a variable that turned out to be ``None`` is a bug foun
   ``WaitTimeout`` past the limit (the awaitable is cancelled, as ``asyncio.wait_for`` does).
 - ``await all_within(aws, timeout_s, what)``: several awaitables at once (``asyncio.gather`` under one limit).
 - ``call_within(fn, *args, timeout_s=..., what=..., **kwargs)``: a blocking call that takes no limit of its own
-  (``ray.init``) run in a daemon thread; ``WaitTimeout`` past the limit (the thread is left behind).
+  run in a daemon thread; ``WaitTimeout`` past the limit (the thread is left behind).
+- ``alarm_within(fn, *args, timeout_s=..., what=..., **kwargs)``: a blocking call with no limit of its own that must
+  run in the main thread (``ray.init`` installs signal handlers, which only the main thread may do), bounded by a
+  one-shot ``SIGALRM`` timer whose handler raises ``WaitTimeout`` inside the call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import signal
 import threading
+import time
 from typing import Any, Awaitable, Callable, Iterable
 
 
@@ -102,6 +107,52 @@ def call_within(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str,
     if "error" in out:
         raise out["error"]
     return out.get("value")
+
+
+def alarm_within(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in this, the main, thread, for at most ``timeout_s`` seconds: a one-shot ``SIGALRM``
+    timer's handler raises ``WaitTimeout`` naming ``what`` inside the call once the limit passes (at the call's next
+    Python instruction: a wait in a loop of short sleeps or retries, as Ray's connection loops are). A timer already
+    running (a test runner's own limit) is kept: whichever is due first fires, the earlier one's handler is called
+    when it is its turn, and it is set again with what is left of it afterwards. The previous handler is restored on
+    every way out. ``RuntimeError`` off the main thread (signals are delivered there only)."""
+    limit = limit_s(timeout_s, what)
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(f"alarm_within({what}) needs the main thread")
+    t0 = time.monotonic()
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    ours_due = t0 + limit
+    outer_due = t0 + outer_left if outer_left > 0 else math.inf
+    fired = []
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        nonlocal outer_due
+        if time.monotonic() >= ours_due - 1e-3 or not callable(previous):
+            fired.append(True)
+            raise WaitTimeout(what, limit)
+        outer_due = math.inf  # the outer timer's turn: it is done (set again below if it repeats)
+        signal.setitimer(signal.ITIMER_REAL, max(ours_due - time.monotonic(), 1e-3))
+        previous(signum, frame)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, max(min(ours_due, outer_due) - time.monotonic(), 1e-3))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except WaitTimeout:
+        raise
+    except BaseException:
+        if fired:  # the call caught our WaitTimeout and raised something else in its place: still our limit
+            raise WaitTimeout(what, limit) from None
+        raise
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        if outer_due != math.inf:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_due - time.monotonic(), 1e-3), outer_interval)
+        elif outer_interval > 0:
+            signal.setitimer(signal.ITIMER_REAL, outer_interval, outer_interval)
 
 
 def _close(aw: Any) -> None:
