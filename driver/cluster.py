@@ -249,6 +249,7 @@ def ray_init(cfg: Config) -> None:
         # the actors' engine and library lines stay in the session's log folder (the run folder links it), as in
         # a local run: forwarded, they were most of the console (196 of 260 lines for 10 steps)
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+        cluster_errors_to_log()
     else:
         if cfg.run.device != "cpu":  # one machine: NCCL's bootstrap and socket transport stay on loopback too
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -263,7 +264,42 @@ def local_ray(num_cpus: int | None = None, env_vars: dict[str, str] | None = Non
     runtime_env = {"env_vars": env_vars} if env_vars is not None else None
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False,
              logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
+    cluster_errors_to_log()
     require_token_auth()
+
+
+RAYLET_LOG = logging.getLogger("ray.raylet")  # a child of Ray's logger: the run's log file (driver.console)
+WORKER_DEATH = "A worker died or was killed"  # how Ray's message of a worker process's death begins
+
+
+def cluster_errors_to_log() -> None:
+    """Ray's message of a worker's death goes to Ray's logger (``RAYLET_LOG``, at WARNING), not to stdout. The driver
+    of Ray prints each error message of the cluster itself, ``log_to_driver=False`` notwithstanding (its error
+    listener thread calls ``print_to_stdstream`` with the pid ``raylet``), so a killed engine core put a colored
+    ``(raylet) A worker died or was killed while executing a task by an unexpected system error ... Lease ID ...``
+    line between the run's own lines, beside the one ``[fault]`` line the run says of the same death (the fleet's
+    supervision restarts the actor and says so). During a run Ray's logger writes to the run's log file
+    (``driver.console.logs_to_file``); the cluster's other messages (a node marked dead, the memory monitor's kills)
+    stay on the console. Idempotent; a Ray without that function is left as it is."""
+    import ray._private.worker as ray_worker
+
+    printer = getattr(ray_worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "cluster_errors_to_log", False):
+        return
+
+    def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            lines = [line for line in data.get("lines", []) if WORKER_DEATH not in str(line)]
+            for line in data.get("lines", []):
+                if WORKER_DEATH in str(line):
+                    RAYLET_LOG.warning("%s", line)
+            if not lines:
+                return
+            data = {**data, "lines": lines}
+        printer(data, ignore_prefix)
+
+    print_to_stdstream.cluster_errors_to_log = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
 
 
 LOOPBACK = "127.0.0.1"
