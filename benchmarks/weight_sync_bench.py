@@ -22,7 +22,8 @@ the minimum of each, in seconds, and the bytes (float32: four per parameter).
 object store or the broadcast, the engine's RAM file, pause, vLLM reload and re-pack), ``--publishes`` times each,
 beside patched arms measured the same way without changing the shipped code: ``head_only`` (the re-pack after the
 reload limited to the tied head), ``sum_check`` (the learner's finite check by one sum per tensor: ``finite_by_sum``),
-``direct_send`` (the broadcast from the live parameters, no float32 copy) and both; then one publish by each path
+``direct_send`` (the broadcast from the live parameters, no float32 copy), ``no_pause_sleep`` (the engine's pause
+without vLLM's fixed 20 ms sleep) and all of them together (``+``-joined); then one publish by each path
 under cProfile (the reload's top list), and the learner's own split of ``state_dict_for_publish``.
 
 ``--out DIR`` also writes DIR/result.json (the results by size, as printed; the JSON file ``--out`` named before it
@@ -118,7 +119,13 @@ class EngineHost:
 
     async def _paused(self, ph, version, t, kwargs):
         engine = self.engine
-        await engine.llm.pause_generation(mode="keep", clear_cache=True)
+        if "no_pause_sleep" in kwargs["variant"].split("+"):
+            # the patched pause: AsyncLLM.pause_generation's two calls without its fixed 20 ms sleep (vLLM's own
+            # comment: only to let outputs of requests it aborts come out first; "keep" aborts none)
+            await engine.llm.renderer.clear_mm_cache_async()
+            await engine.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
+        else:
+            await engine.llm.pause_generation(mode="keep", clear_cache=True)
         t = lap(ph, "engine: pause + KV/prefix cache reset", t)
         try:
             (worker,) = await engine.llm.collective_rpc(worker_reload, kwargs=kwargs)
@@ -158,8 +165,9 @@ PROFILED = {  # functions whose cumulative seconds the profiled reload reports, 
 def worker_reload(worker, weights_path=None, specs=None, profile=False, variant="stock"):
     """Inside the vLLM worker (sent by ``collective_rpc``): what ``PolicyReloadExtension.reload_policy_weights`` /
     ``receive_policy_weights`` (actors/vllm_worker.py) do, each step timed; ``profile``: under cProfile, with the
-    top list and the cumulative seconds of ``PROFILED``. ``variant``: ``stock`` (as shipped) or ``head_only``
-    (the re-pack after the reload limited to the tied head, the one layer the reload did not re-pack)."""
+    top list and the cumulative seconds of ``PROFILED``. ``variant``: ``stock`` (as shipped); with ``head_only``
+    (of its ``+``-joined flags): the re-pack after the reload limited to the tied head, the one layer the reload
+    did not re-pack."""
     import cProfile
     import io as io_
     import pstats
@@ -181,7 +189,7 @@ def worker_reload(worker, weights_path=None, specs=None, profile=False, variant=
         runner.reload_weights(weights_path=weights_path)
     t = lap(ph, "worker: vLLM reload_weights", t)
     model = runner.get_model()
-    if variant == "head_only":
+    if "head_only" in variant.split("+"):
         ph["repacked"] = repack_head(model)
     else:
         ph["repacked"] = refresh_derived_weights(model)
@@ -320,11 +328,11 @@ def time_publishes(store, collective, learner, publishes: int) -> dict[str, list
 
 def phased_object_store(host, learner, version: int, profile: bool, variant: str) -> dict:
     """One object-store publish as the trainer makes it (``state_dict_ref``, then the engine's update), by phase.
-    ``variant`` ``sum_check``: the learner's copy checked by ``finite_by_sum`` (``learner_state_sum_check``)."""
+    ``variant``: ``+``-joined flags; ``sum_check``: the learner's copy checked by ``finite_by_sum``
+    (``learner_state_sum_check``); the others go to the engine's side (``head_only``, ``no_pause_sleep``)."""
     t0 = time.perf_counter()
-    if variant == "sum_check":
+    if "sum_check" in variant.split("+"):
         ref = learner.actors[0].__ray_call__.remote(learner_state_sum_check)
-        variant = "stock"
     else:
         ref = learner.state_dict_ref()
     ray.wait([ref], fetch_local=False)
@@ -337,10 +345,12 @@ def phased_object_store(host, learner, version: int, profile: bool, variant: str
 
 
 def phased_collective(host, learner, version: int, profile: bool, variant: str) -> dict:
-    """One collective publish as ``CollectivePublisher.publish`` makes it, by phase. ``variant`` ``direct_send``:
-    the learner sends its live parameters (finite check kept, no float32 numpy copy: ``learner_direct_send``)."""
-    rank0, direct = learner.actors[0], variant.startswith("direct_send")
-    sum_check = variant.endswith("sum_check")
+    """One collective publish as ``CollectivePublisher.publish`` makes it, by phase. ``variant``: ``+``-joined
+    flags; ``direct_send``: the learner sends its live parameters (finite check kept, no float32 numpy copy:
+    ``learner_direct_send``); ``sum_check``: its finite check by ``finite_by_sum``; the others go to the engine's
+    side (``head_only``, ``no_pause_sleep``)."""
+    flags = variant.split("+")
+    rank0, direct, sum_check = learner.actors[0], "direct_send" in flags, "sum_check" in flags
     row: dict[str, float] = {}
     t0 = time.perf_counter()
     if direct:
@@ -355,8 +365,7 @@ def phased_collective(host, learner, version: int, profile: bool, variant: str) 
     ray.get(host.check_weight_specs.remote(specs))
     t = lap(row, "engine: check the specs", t)
     called = time.time()
-    engine_variant = "head_only" if variant == "head_only" else "stock"
-    pending = host.update_weights_collective_phased.remote(version, specs, profile, engine_variant)
+    pending = host.update_weights_collective_phased.remote(version, specs, profile, variant)
     if direct:
         sent = rank0.__ray_call__.remote(learner_direct_send, specs, sum_check)
         (check_s, send_s), (entered, ph) = ray.get([sent, pending])
@@ -448,7 +457,9 @@ def finish_row(row: dict, ph: dict, total: float) -> dict:
 
 ARMS = [("object_store", "stock"), ("collective", "stock"), ("object_store", "head_only"), ("collective", "head_only"),
         ("object_store", "sum_check"), ("collective", "sum_check"), ("collective", "direct_send"),
-        ("collective", "direct_send_sum_check")]
+        ("object_store", "no_pause_sleep"), ("collective", "no_pause_sleep"),
+        ("object_store", "sum_check+head_only+no_pause_sleep"),
+        ("collective", "direct_send+sum_check+head_only+no_pause_sleep")]
 
 
 def phase_runs(host, learner, version: int, reps: int) -> tuple[dict, int]:
