@@ -40,6 +40,7 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -282,9 +283,10 @@ def cpu_delta(before: dict, after: dict) -> dict[str, float]:
 async def profile_block(engine, make_runner, examples, chunk: int, args) -> dict:
     """``--profile``: where the asynchronous arm's tokens/s go against the raw engine's at zero latency. Each round,
     on one chunk of episodes (prefix cache emptied before each arm): (1) the asynchronous arm instrumented (engine
-    calls, searches, tokenizer calls timed; CPU seconds by process), (2) the same arm with search answered from
-    memory (no retriever), (3) the raw engine on (1)'s episodes; then one asynchronous round under cProfile (this
-    process only: the engine core is another process)."""
+    calls, searches, tokenizer calls timed; CPU seconds by process), then, in an order alternating by round, (2) the
+    same arm with search answered from memory (no retriever) and (3) the raw engine on (1)'s episodes; each round's
+    ratios to (3) are kept; then one asynchronous round under cProfile (this process only: the engine core is
+    another process)."""
     import cProfile
     import io
     import pstats
@@ -305,6 +307,7 @@ async def profile_block(engine, make_runner, examples, chunk: int, args) -> dict
         a["cpu"].update(cpu)
 
     memory: dict = {}
+    by_round: dict[str, list[float]] = {}  # each round's tokens/s over the raw engine's in the same round
     for r in range(args.rounds):
         part = examples[r * chunk : (r + 1) * chunk]
         base = make_runner("none")
@@ -316,21 +319,33 @@ async def profile_block(engine, make_runner, examples, chunk: int, args) -> dict
         c0 = cpu_seconds()
         trajs, secs = await run_async(runner, part, args.concurrency, 1)
         account("asynchronous", trajs, secs, clock, cpu_delta(c0, cpu_seconds()))
-        clock = Clock()
-        runner = EpisodeRunner(TimedEngine(engine, clock), TimedSearch(MemorySearch(memory), clock),
-                               TimedTokenizer(base.tokenizer, clock), base.s)
-        await fresh_cache(engine)
-        c0 = cpu_seconds()
-        mtrajs, msecs = await run_async(runner, part, args.concurrency, 1)
-        account("asynchronous, search from memory", mtrajs, msecs, clock, cpu_delta(c0, cpu_seconds()))
-        clock = Clock()
-        await fresh_cache(engine)
-        c0 = cpu_seconds()
-        tokens, rsecs = await run_raw(TimedEngine(engine, clock), trajs, args.concurrency)
-        account("raw engine", trajs, rsecs, clock, cpu_delta(c0, cpu_seconds()), generated=tokens)
-        print(json.dumps({"profile_round": r, "async_tok_s": round(arms["asynchronous"]["tokens"] / arms[
-            "asynchronous"]["seconds"], 1), "raw_tok_s": round(arms["raw engine"]["tokens"] / arms["raw engine"][
-            "seconds"], 1)}), flush=True)
+        rates = {"asynchronous": sum(t.num_generated_tokens for t in trajs) / secs}
+
+        async def from_memory():
+            clock = Clock()
+            runner = EpisodeRunner(TimedEngine(engine, clock), TimedSearch(MemorySearch(memory), clock),
+                                   TimedTokenizer(base.tokenizer, clock), base.s)
+            await fresh_cache(engine)
+            c0 = cpu_seconds()
+            mtrajs, msecs = await run_async(runner, part, args.concurrency, 1)
+            account("asynchronous, search from memory", mtrajs, msecs, clock, cpu_delta(c0, cpu_seconds()))
+            rates["asynchronous, search from memory"] = sum(t.num_generated_tokens for t in mtrajs) / msecs
+
+        async def raw():
+            clock = Clock()
+            await fresh_cache(engine)
+            c0 = cpu_seconds()
+            tokens, rsecs = await run_raw(TimedEngine(engine, clock), trajs, args.concurrency)
+            account("raw engine", trajs, rsecs, clock, cpu_delta(c0, cpu_seconds()), generated=tokens)
+            rates["raw engine"] = tokens / rsecs
+
+        for arm in (from_memory, raw) if r % 2 == 0 else (raw, from_memory):  # the order alternates by round
+            await arm()
+        ratios = {k: round(v / rates["raw engine"], 3) for k, v in rates.items() if k != "raw engine"}
+        for k, v in ratios.items():
+            by_round.setdefault(k, []).append(v)
+        print(json.dumps({"profile_round": r, "tokens_per_s": {k: round(v, 1) for k, v in rates.items()},
+                          "over_raw": ratios}), flush=True)
     rows = {}
     raw_rate = arms["raw engine"]["tokens"] / arms["raw engine"]["seconds"]
     for name, a in arms.items():
@@ -340,6 +355,8 @@ async def profile_block(engine, make_runner, examples, chunk: int, args) -> dict
             "episodes": a["episodes"], "seconds": round(a["seconds"], 2), "generated_tokens": a["tokens"],
             "tokens_per_s": round(a["tokens"] / a["seconds"], 1),
             "over_raw": round(a["tokens"] / a["seconds"] / raw_rate, 3),
+            "over_raw_by_round": by_round.get(name), "over_raw_median_of_rounds": round(
+                statistics.median(by_round[name]), 3) if name in by_round else None,
             "engine_calls": a["clock"].calls["engine.generate"],
             "mean_requests_in_engine": round(engine_s / a["seconds"], 2),
             "tokens_per_request_second_in_engine": round(a["tokens"] / engine_s, 2) if engine_s else None,
@@ -392,6 +409,15 @@ def print_profile(block: dict) -> None:
         print(f"| {name} | {a['tokens_per_s']} | {a['over_raw']:.3f} | {a['mean_requests_in_engine']} | "
               f"{a['tokens_per_request_second_in_engine']} | {a['engine_calls']} | {a['tokenizer_s']} | "
               f"{a['search_s_per_call']} | {cpu} |")
+    for name, a in arms.items():
+        if a.get("over_raw_by_round"):
+            r = a["over_raw_by_round"]
+            print(f"{name}: over the raw engine by round, median {a['over_raw_median_of_rounds']:.3f} "
+                  f"(min {min(r):.3f}, max {max(r):.3f}, {len(r)} rounds)")
+    raw_cpu = sum(arms["raw engine"]["cpu_s_per_1k_tokens"].values())
+    for name, a in arms.items():
+        cpu = sum(a["cpu_s_per_1k_tokens"].values())
+        print(f"{name}: CPU s per 1k tokens, all processes {cpu:.3f} (raw engine's / this: {raw_cpu / cpu:.3f})")
     print("\nprofiled asynchronous round (this process), top by tottime:")
     for line in block["profiled_round"]["top_tottime"][:30]:
         print("    " + line)
