@@ -44,6 +44,17 @@ not carry tensors across the engine-core process boundary, files do. That file i
 (``/dev/shm``): it lives only for the reload. Each update writes it into a fresh ``aar_weights_<pid>_*`` folder and
 removes the folder as soon as the engine has loaded it, whatever happens; a process killed in that window leaves the
 folder behind, and the next engine started on the machine removes every such folder whose owner process is gone.
+
+The engine's processes and files (``EngineProcesses``). With ``rollout.multiprocess_engine`` the engine core is a
+process of its own (``VLLM::EngineCore``) with a worker process under it (``VLLM::Worker``); they talk through vLLM's
+shared-memory message queues (``/dev/shm/psm_*``, Python's ``SharedMemory``) and multiprocessing's named semaphores
+(``/dev/shm/sem.mp-*``). A process killed (SIGKILL: Ray ending a worker, the driver ending a hung actor) never
+unlinks what it created, so every run used to leave a few hundred MB of them behind. The engine records its processes
+(those this process gained while the engine started) and the files they map, and ``close`` ends the processes (vLLM's
+own shutdown within ``ENGINE_CLOSE_S``, then SIGKILL by pid) and unlinks the files. A small watcher process of its
+own (``watch_engine``), told the pids and files, does the same when this process dies without closing the engine
+(Ray ending the actor at the end of a run, the driver killing it for a restart): nothing of an engine outlives the
+process that made it.
 """
 
 from __future__ import annotations
@@ -52,6 +63,9 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -63,6 +77,7 @@ import numpy as np
 
 from async_agent_rl.config import Config, RolloutConfig
 from async_agent_rl.episode import TurnEngine, TurnOutput, TurnRequest
+from async_agent_rl.waits import WaitTimeout, within
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +212,192 @@ def sweep_orphaned_weights(root: Path | None = None) -> list[Path]:
     return removed
 
 
+ENGINE_CLOSE_S = 10.0  # vLLM's own shutdown of the engine's processes gets this long; then they are SIGKILLed by pid
+ENGINE_FILES = ("psm_", "sem.mp-")  # the /dev/shm files of vLLM's queues and multiprocessing's semaphores
+GONE_S = 5.0  # a SIGKILLed process is waited for this long (it cannot refuse; a zombie counts as gone)
+
+
+def _descendants() -> dict[int, float]:
+    """pid -> start time of every live descendant of this process."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            out[p.pid] = p.create_time()
+        except psutil.Error:
+            pass
+    return out
+
+
+def _alive(procs: Mapping[int, float]) -> list[int]:
+    """The pids of ``procs`` still the process recorded (same start time), not zombies."""
+    import psutil
+
+    out = []
+    for pid, started in procs.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def kill_processes(procs: Mapping[int, float], gone_s: float = GONE_S) -> list[int]:
+    """SIGKILL every process of ``procs`` (pid -> start time) that is still the one recorded, a stopped one too, and
+    wait up to ``gone_s`` for them to be gone; returns the pids killed."""
+    killed = []
+    for pid in _alive(procs):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            pass
+    deadline = time.monotonic() + gone_s
+    while _alive({pid: procs[pid] for pid in killed}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return killed
+
+
+def mapped_files(pids: Sequence[int], prefixes: Sequence[str] = ENGINE_FILES) -> set[str]:
+    """The ``/dev/shm`` files whose names start with one of ``prefixes`` that the processes ``pids`` have mapped
+    (``/proc/PID/maps``; a file already unlinked is not listed)."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(maxsplit=5)[5:]
+                    if path and path[0].startswith("/dev/shm/") and not path[0].endswith(" (deleted)"):
+                        if path[0][len("/dev/shm/"):].startswith(tuple(prefixes)):
+                            out.add(path[0])
+        except OSError:
+            pass
+    return out
+
+
+def unlink_files(paths: set[str]) -> list[str]:
+    """Remove each of ``paths`` that still exists; returns those removed."""
+    removed = []
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+# The watcher (``watch_engine``): a process started with the engine that ends its processes and unlinks its files
+# once its owner is gone without closing the engine. Its stdin is a pipe from the owner: ``pid PID START`` and
+# ``file PATH`` lines as the owner learns them, ``done`` when the owner closed the engine itself; end of file without
+# ``done`` means the owner died. It forks away from its parent first: Ray ends a worker's child processes with it,
+# and the watcher must outlive its owner by the moment it takes to clean up. Standard library and psutil only.
+WATCHER = """
+import os, signal, sys, time
+if os.fork():
+    os._exit(0)
+import psutil
+procs, files = {}, set()
+for line in sys.stdin:
+    kind, _, rest = line.strip().partition(" ")
+    if kind == "done":
+        sys.exit(0)
+    if kind == "pid":
+        pid, started = rest.split()
+        procs[int(pid)] = float(started)
+    elif kind == "file":
+        files.add(rest)
+def alive():
+    out = []
+    for pid, started in procs.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+for pid in alive():
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+deadline = time.monotonic() + 5
+while alive() and time.monotonic() < deadline:
+    time.sleep(0.05)
+for path in files:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+"""
+
+
+class EngineProcesses:
+    """The processes an engine started (pid -> start time: those this process gained while the engine started) and
+    the ``/dev/shm`` files they map (``ENGINE_FILES``), kept so that none of them outlives the engine: ``end``
+    SIGKILLs the processes still alive and unlinks the files; the watcher process does the same if this process dies
+    first (module docstring)."""
+
+    def __init__(self, procs: Mapping[int, float]):
+        self.procs = dict(procs)
+        self.files: set[str] = set()
+        self._watcher: subprocess.Popen | None = None
+        if self.procs:
+            self._watcher = self._start_watcher()
+            self._tell("".join(f"pid {pid} {started!r}\n" for pid, started in self.procs.items()))
+            self.note_files()
+
+    @property
+    def pids(self) -> list[int]:
+        return sorted(self.procs)
+
+    def alive(self) -> list[int]:
+        return _alive(self.procs)
+
+    def note_files(self) -> None:
+        """Record the files the engine's processes map now (the watcher is told of new ones)."""
+        new = mapped_files(self.alive()) - self.files
+        if new:
+            self.files |= new
+            self._tell("".join(f"file {path}\n" for path in sorted(new)))
+
+    def end(self, gone_s: float = GONE_S) -> list[int]:
+        """SIGKILL the engine's processes still alive, unlink their files, release the watcher; the pids killed."""
+        killed = kill_processes(self.procs, gone_s)
+        unlink_files(self.files)
+        self._tell("done\n")
+        if self._watcher is not None and self._watcher.stdin is not None:
+            try:
+                self._watcher.stdin.close()
+            except OSError:
+                pass
+        self._watcher = None
+        return killed
+
+    def _start_watcher(self) -> subprocess.Popen | None:
+        try:
+            watcher = subprocess.Popen([sys.executable, "-c", WATCHER], stdin=subprocess.PIPE, text=True,
+                                       start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            watcher.wait(timeout=30)  # its first process, which only forks the watcher and exits
+            return watcher
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.warning("the engine's watcher process did not start (%s): an engine whose owner is killed may leave "
+                        "processes and /dev/shm files behind", e)
+            return None
+
+    def _tell(self, text: str) -> None:
+        if self._watcher is not None and self._watcher.stdin is not None:
+            try:
+                self._watcher.stdin.write(text)
+                self._watcher.stdin.flush()
+            except OSError:
+                pass
+
+
 def one_token_ids(tokenizer: Any, strings: Sequence[str]) -> list[int]:
     """The token id of each of ``strings`` that the tokenizer spells as exactly one token decoding back to it."""
     ids = []
@@ -218,6 +419,7 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._inflight_updates = 0  # in-flight (KV-keeping) updates so far
         self._stop_ids: dict[tuple[str, ...], list[int]] = {}  # stop strings -> their one-token spellings' ids
+        self.processes = EngineProcesses({})  # the engine's own processes and files (create() records them)
 
     @classmethod
     async def create(cls, model_path: str, cfg: Config, version: int = 0) -> "VLLMEngine":
@@ -241,9 +443,12 @@ class VLLMEngine:
             disable_log_stats=True,
             worker_extension_cls="actors.vllm_worker.PolicyReloadExtension",
         )
+        before = _descendants()
         llm = AsyncLLM.from_engine_args(args)
+        processes = EngineProcesses({pid: t for pid, t in _descendants().items() if before.get(pid) != t})
         sweep_orphaned_weights()
         engine = cls(llm, version, cfg.run.device, *model_parameters(_meta_model(model_path, cfg)))
+        engine.processes = processes
         await llm.update_weight_version(str(version))
         return engine
 
@@ -364,12 +569,32 @@ class VLLMEngine:
             await self.llm.resume_generation()
         return time.perf_counter() - tp
 
-    async def close(self) -> None:
-        self.llm.shutdown()
+    @property
+    def pids(self) -> list[int]:
+        """The engine's own processes (the engine core and its workers with ``rollout.multiprocess_engine``)."""
+        return self.processes.pids
+
+    async def close(self, timeout_s: float = ENGINE_CLOSE_S) -> list[int]:
+        """Shut the engine down: vLLM's own shutdown, waited for ``timeout_s`` at most (a hung engine core may not
+        act on it), then every process of the engine still alive is SIGKILLed by pid and its ``/dev/shm`` files are
+        unlinked. Returns the pids that had to be killed. A second call does nothing."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return []
+        self.processes.note_files()
+        try:
+            await within(asyncio.to_thread(llm.shutdown, timeout=timeout_s), timeout_s + 5.0, "vLLM's shutdown")
+        except WaitTimeout as e:
+            log.warning("the engine did not shut down: %s; its processes are killed", e)
+        except Exception as e:  # noqa: BLE001 - a dead engine may fail its own shutdown; its processes go below
+            log.warning("the engine's shutdown failed (%s: %s); its processes are killed", type(e).__name__, e)
         # AsyncLLM.__del__ calls shutdown() again, at interpreter exit when module globals are gone already
         # (a "'NoneType' object is not callable" traceback): the engine is down, make that second call a no-op.
-        self.llm.shutdown = lambda *args, **kwargs: None
-        self.llm = None
+        llm.shutdown = lambda *args, **kwargs: None
+        killed = await asyncio.to_thread(self.processes.end)
+        if killed:
+            log.warning("the engine's processes %s did not end with its shutdown; killed", killed)
+        return killed
 
 
 def _check_mode(mode: str) -> None:
@@ -459,8 +684,8 @@ class HFEngine:
             self.version = version
         return WeightUpdateStats(version, mode, time.perf_counter() - t0)
 
-    async def close(self) -> None:
-        return None
+    async def close(self, timeout_s: float = 0.0) -> list[int]:
+        return []  # in this process: nothing to end
 
 
 async def create_engine(cfg: Config, model_path: str | None = None, version: int = 0) -> Engine:

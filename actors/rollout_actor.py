@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 import ray
 
-from actors.engine import create_engine
-from actors.rollout_worker import PromptSource, RolloutWorker, engine_silence_s, episodes_timeout_s
+from actors.engine import ENGINE_CLOSE_S, create_engine
+from actors.rollout_worker import PromptSource, RolloutWorker, engine_dead, engine_silence_s, episodes_timeout_s
 from actors.search_client import SearchClient
 from async_agent_rl.config import Config
 from async_agent_rl.data.search_r1 import read_qa_files
@@ -188,7 +188,17 @@ class RolloutActor:
         if not hasattr(self, "engine"):
             self._pending = (version, weights)
             return {"version": version, "seconds": 0.0, "deferred": True}
-        return self._applied(t0, await self.engine.update_weights(version, weights, self.cfg.rollout.weight_update_mode))
+        try:
+            stats = await self.engine.update_weights(version, weights, self.cfg.rollout.weight_update_mode)
+        except Exception as e:
+            if not engine_dead(e):
+                raise
+            # the engine core died: its worker stops on the same error and supervision restarts this actor with the
+            # current weights, saying so in one [fault] line; the publish is not a second fault of the same death
+            log.warning("rollout actor %d: weights of version %d not applied, its engine is dead (%s: %s); the "
+                        "restart gives it the current ones", self.index, version, type(e).__name__, e)
+            return {"version": version, "seconds": 0.0, "deferred": True}
+        return self._applied(t0, stats)
 
     def _applied(self, t0: float, stats: Any) -> dict:
         rec = WeightUpdate(stats.version, time.perf_counter() - t0, stats.pause_seconds, stats.bytes, stats.mode)
@@ -264,6 +274,21 @@ class RolloutActor:
             ready=self.worker is not None,
         )
         return self.worker.stats.message(**actor) if self.worker else RolloutStats(**actor)
+
+    async def close_engine(self, timeout_s: float = ENGINE_CLOSE_S) -> dict:
+        """End this actor's engine, before the actor is killed for a restart (``driver.fleet``): the worker starts
+        no more episodes, vLLM's shutdown gets ``timeout_s``, then the engine's processes still alive are SIGKILLed by
+        pid and its ``/dev/shm`` files unlinked (``VLLMEngine.close``). Returns ``{"pids": the engine's processes,
+        "killed": those that had to be killed, "left": those still alive after it all (none unless a kill failed)}``."""
+        if self.worker is not None:
+            self.worker.stop()
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return {"pids": [], "killed": [], "left": []}
+        pids = list(getattr(engine, "pids", []))
+        killed = await engine.close(timeout_s)
+        processes = getattr(engine, "processes", None)
+        return {"pids": pids, "killed": list(killed or []), "left": processes.alive() if processes else []}
 
     async def shutdown(self) -> None:
         await self.stop(timeout_s=5.0)

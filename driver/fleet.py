@@ -20,20 +20,25 @@ line; the publisher stops sending to it. With none left, the run ends in one ``e
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
 from typing import Any, Callable, Sequence
 
+import psutil
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from actors.engine import ENGINE_CLOSE_S, GONE_S, kill_processes
 from async_agent_rl.config import Config
 from async_agent_rl.stats import BufferStats, DriverStats, RolloutStats, RunTotals
 from async_agent_rl.waits import bounded
 from driver.cluster import actor_node, actor_record, capacity, node_gone
 from driver.limits import PROGRESS_FLOOR_S, PROGRESS_STEPS, REPORT_TIMEOUT_S, RunFailed, ask, cause
 from driver.versions import PolicyVersions
+
+log = logging.getLogger(__name__)
 
 RETRIEVER_HEALTH_TIMEOUT_S = 10.0  # the run's retrieval server must answer GET /health within this, or is restarted
 NOT_SET_UP = "restarted by Ray, not set up"
@@ -121,6 +126,7 @@ class Fleet:
                                     f"cluster.max_actor_restarts={allowed})")
                 self.say(f"[fault] rollout actor {i}: {problem}; restarting it")
                 if kill:
+                    self._end_engine(i, actor, answering=not isinstance(answer, GetTimeoutError))
                     self._end_hung_process(i)
                     ray.kill(actor, no_restart=False)
                 if not self.restart(i):
@@ -246,6 +252,31 @@ class Fleet:
         except Exception as e:  # noqa: BLE001 - reported as the run's end
             raise RunFailed(f"retrieval server {problem} and could not be restarted: {cause(e)}") from None
         self.say(f"[fault] retrieval server {problem}; restarted on {url} ({self.retriever.restarts} restart(s))")
+
+    def _end_engine(self, i: int, actor: Any, answering: bool) -> None:
+        """Rollout actor ``i``'s engine ended before the actor is killed for a restart (its engine core and workers
+        are processes of their own, and on a GPU hold its memory): an actor that answers closes it itself
+        (``RolloutActor.close_engine``: vLLM's shutdown within ``ENGINE_CLOSE_S``, then SIGKILL by pid); on a local
+        cluster, whatever of the actor's process tree is still alive then (or all of it, for an actor that does not
+        answer) is SIGKILLed by pid."""
+        if answering:
+            try:
+                ended = bounded(ray.get, actor.close_engine.remote(ENGINE_CLOSE_S),
+                                timeout_s=ENGINE_CLOSE_S + GONE_S + self.cfg.cluster.actor_timeout_s,
+                                what=f"rollout actor {i}'s close_engine()")
+                log.info("rollout actor %d: engine processes %s ended (%s killed after vLLM's shutdown)", i,
+                         ended["pids"], ended["killed"] or "none")
+            except ray.exceptions.RayError as e:
+                log.info("rollout actor %d did not close its engine (%s); its processes are killed", i, cause(e))
+        pid = self._pids.get(i)
+        if pid and self.local_cluster:
+            try:
+                tree = {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
+            except psutil.Error:
+                return
+            killed = kill_processes(tree)
+            if killed:
+                log.info("rollout actor %d: its processes %s killed before the actor", i, killed)
 
     def _end_hung_process(self, i: int) -> None:
         """SIGKILL rollout actor ``i``'s process when it runs on this machine (a local cluster): a stopped or hung
