@@ -9,7 +9,11 @@ session of its own; real Ray, vLLM CPU engine, DeepSpeed learner, retrieval serv
 - the rollout actor (its ``ray::RolloutActor`` process) stopped as a collective publish begins: the publish fails
   within the publish's limit naming the actor, and the fleet restarts the silent actor as it does any (a
   ``[fault]`` line, then ``restarted``); the run finishes every step. Before the fix the collective publish waited
-  ``weight_sync.timeout_s`` (300 s by default), not the publish's limit.
+  ``weight_sync.timeout_s`` (300 s by default), not the publish's limit;
+- a SIGTERM a few seconds after the learner stopped as an object-store publish begins: the run ends within the
+  stop limit (``driver.limits.stop_s``), its checkpoint of the step naming the stopped learner. Before the fix the
+  learner's part of a publish did not look at the stop requests: the run waited on for
+  ``cluster.actor_setup_timeout_s``.
 
 Each ends with no process of the run left. The fault is injected by the driver itself (``PUBLISH_CLI``) at the
 moment the publish begins: a stop sent from outside would hit a sub-second publish only by chance."""
@@ -27,7 +31,7 @@ import psutil
 import pytest
 
 from async_agent_rl.config import load_config
-from driver.limits import model_bytes, phase_limit
+from driver.limits import model_bytes, phase_limit, stop_s
 from tests.helpers import Run, plain_env, world_overrides
 from tests.integration.test_fault_injection import REPO, SMALL, WATCHDOG_S, describe, left_behind, tree
 
@@ -38,12 +42,13 @@ AT = 2  # the publish (the learner step whose weights) during which the fault co
 # the command line, whose driver stops the process AAR_TEST_STOP names as the learner's part of publish AAR_TEST_AT
 # begins (the AT-th call of LearnerGroup.state_dict_ref or prepare_publish: one per publish, no evaluation runs)
 PUBLISH_CLI = textwrap.dedent('''
-    import os, signal, sys
+    import os, signal, sys, threading
     import psutil
     from learner.actor import LearnerGroup
     from driver.cli import main
 
     target, at, calls = os.environ["AAR_TEST_STOP"], int(os.environ["AAR_TEST_AT"]), [0]
+    term_after = float(os.environ.get("AAR_TEST_TERM_AFTER") or 0)  # then a SIGTERM to this driver this much later
 
     def stopping_first(real):
         def method(self, *args, **kwargs):
@@ -53,6 +58,8 @@ PUBLISH_CLI = textwrap.dedent('''
                         if target in " ".join(p.cmdline() or [p.name()])]
                 hits[0].send_signal(signal.SIGSTOP)
                 print(f"[test] stopped {target} (pid {hits[0].pid}) as publish {at} begins", flush=True)
+                if term_after:
+                    threading.Timer(term_after, os.kill, (os.getpid(), signal.SIGTERM)).start()
             return real(self, *args, **kwargs)
         return method
 
@@ -62,13 +69,15 @@ PUBLISH_CLI = textwrap.dedent('''
 ''')
 
 
-def start(tmp_path: Path, world_dir: Path, model_dir: Path, target: str, *extra: str) -> tuple[Run, float]:
+def start(tmp_path: Path, world_dir: Path, model_dir: Path, target: str, *extra: str,
+          term_after: float = 0) -> tuple[Run, float]:
     """The run, and its publish's limit (``phase_limit``: with ``cluster.actor_timeout_s=20`` the object-store
-    path's is 20 s, the collective path's ``weight_sync.timeout_s`` bounded by ``cluster.progress_timeout_s=60``)."""
+    path's is 20 s, the collective path's ``weight_sync.timeout_s`` bounded by ``cluster.progress_timeout_s=60``).
+    ``term_after``: the driver gets a SIGTERM this many seconds after it stopped ``target``."""
     cfg = load_config(REPO / "configs/quickstart.yaml", [
         *SMALL, f"run.output_dir={tmp_path}", "run.name=run", *world_overrides(world_dir, model_dir), *extra])
     cfg_file = cfg.save(tmp_path / "cfg.yaml")
-    env = {**plain_env(), "AAR_TEST_STOP": target, "AAR_TEST_AT": str(AT)}
+    env = {**plain_env(), "AAR_TEST_STOP": target, "AAR_TEST_AT": str(AT), "AAR_TEST_TERM_AFTER": str(term_after)}
     limit = phase_limit(cfg, "publish", model_bytes(model_dir))[0]
     assert limit <= WATCHDOG_S
     return Run([sys.executable, "-c", PUBLISH_CLI, "train", "--config", str(cfg_file)], env=env), limit
@@ -150,4 +159,34 @@ def test_a_rollout_actor_stopped_during_a_collective_publish_is_restarted_and_th
     assert restarted_at > failed_at
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["actor_restarts"] == {"actor0": 1}, summary
+    assert not left, "processes of the run left 15 s after it ended:\n" + "\n".join(left)
+
+
+TERM_AFTER_S = 3.0  # the SIGTERM comes this long after the learner stopped: while the publish waits on it
+
+
+@pytest.mark.timeout(900)
+def test_a_sigterm_during_a_publish_the_stopped_learner_holds_ends_the_run_within_the_stop_limit(
+        tmp_path, world_dir, tiny_model_dir):
+    run, _ = start(tmp_path, world_dir, tiny_model_dir, "ray::LearnerActor", "weight_sync.method=object_store",
+                   "learner.total_steps=4", term_after=TERM_AFTER_S)
+    stop = stop_s(load_config(tmp_path / "cfg.yaml", []))
+    pid, seen = None, {}
+    try:
+        pid, _ = stopped_pid(run, timeout_s=420)
+        termed_at = run.wait_for("[stop] SIGTERM", timeout_s=TERM_AFTER_S + 30)
+        seen = {p.pid: describe(p) for p in tree(run.proc.pid)}
+        # the publish's wait ends at the stop request; the checkpoint of the step then gets the stop limit. Before the
+        # fix the learner's part of the publish waited on (cluster.actor_setup_timeout_s, 900 s)
+        rc = run.finish(timeout_s=stop + 120)
+        ended = time.monotonic() - termed_at
+        left = left_behind(seen)
+    finally:
+        run.kill()
+        thaw_and_kill(pid)
+    console = run.text()
+    assert "Traceback" not in "\n".join(run.out + run.err), console
+    errors = [x for x in run.err + run.out if x.startswith("error:")]
+    assert rc not in (0, None) and len(errors) == 1 and errors[0].startswith("error: the learner ("), console
+    assert ended < stop + 60, f"ended {ended:.0f} s after the SIGTERM (stop limit {stop:g} s)"
     assert not left, "processes of the run left 15 s after it ended:\n" + "\n".join(left)
