@@ -176,6 +176,12 @@ def test_an_engine_death_is_one_fault_line_and_a_restart_ends_the_old_engine(tmp
     console = run.out + run.err
     assert rc == 0, run.text()
     assert not [x for x in console if "A worker died" in x or "(raylet)" in x], run.text()
+    # the restart ended the hung engine itself before the actor was killed (Ray's ending of a dead worker's children
+    # would end a stopped engine core too, later): the driver's log names its processes, the hung core among them
+    log_text = (tmp_path / "run" / "train.log").read_text()
+    ended = [x for x in log_text.splitlines() if "rollout actor 0: engine processes [" in x]
+    assert any(str(hung.pid) in x for x in ended), f"the hung engine core {hung.pid} not ended by the restart: {ended}"
+    assert any("A worker died or was killed" in x for x in log_text.splitlines()), "Ray's message not in the log file"
     assert files.files, "the run's engine processes mapped no /dev/shm file"
     left = files.left(grace_s=10.0)
     assert not left, f"/dev/shm files of the run's engines left after it ended: {left}"
