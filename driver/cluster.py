@@ -17,6 +17,7 @@ from ray._private.worker import global_worker
 
 from async_agent_rl.config import Config, is_loopback
 from async_agent_rl.errors import InputError
+from async_agent_rl.waits import WaitTimeout, alarm_within
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,9 @@ def check_job_paths(cfg: Config, nodes: list[dict], runtime_env: dict[str, Any] 
                          "them mount at one path (docs/OPERATIONS.md, \"A cluster of several machines\")")
 
 
+RAY_INIT_TIMEOUT_S = 180.0  # ray.init, local start or connection (after check_address's 10 s), gets this long
+
+
 def ray_init(cfg: Config) -> None:
     """Connect to ``cluster.ray_address`` (or the job's cluster under ``ray job submit``), else start a local Ray.
 
@@ -248,7 +252,13 @@ def ray_init(cfg: Config) -> None:
             loopback_only()  # else Ray rewrites 127.0.0.1 to the host's address, where a loopback cluster is not
         # the actors' engine and library lines stay in the session's log folder (the run folder links it), as in
         # a local run: forwarded, they were most of the console (196 of 260 lines for 10 steps)
-        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+        try:
+            alarm_within(ray.init, address=address, runtime_env={"env_vars": env}, log_to_driver=False,
+                         timeout_s=RAY_INIT_TIMEOUT_S, what=f"the Ray cluster at {address}")
+        except WaitTimeout as e:
+            raise InputError(f"cluster.ray_address={address}: {e}: its GCS answered the check, but connecting "
+                             "did not finish; check the cluster (`ray status`) and that this machine reaches every "
+                             "port of its head node") from None
         cluster_errors_to_log()
     else:
         if cfg.run.device != "cpu":  # one machine: NCCL's bootstrap and socket transport stay on loopback too
@@ -262,8 +272,12 @@ def local_ray(num_cpus: int | None = None, env_vars: dict[str, str] | None = Non
     session's log folder (a run folder links it). ``env_vars``: the workers' environment."""
     loopback_only()
     runtime_env = {"env_vars": env_vars} if env_vars is not None else None
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False,
-             logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
+    try:
+        alarm_within(ray.init, num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
+                     log_to_driver=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK,
+                     timeout_s=RAY_INIT_TIMEOUT_S, what="a local Ray cluster's start")
+    except WaitTimeout as e:
+        raise InputError(f"{e}: see Ray's session logs (session_latest/logs: raylet.err, gcs_server.err)") from None
     cluster_errors_to_log()
     require_token_auth()
 

@@ -1,6 +1,6 @@
 """No wait without a bound: every wait on another process in ``driver/``, ``actors/``, ``learner/`` and ``buffer/``
 goes through ``async_agent_rl.waits`` (``bounded(ray.get, ...)``, ``bounded(ray.wait, ...)``, ``await within(...)``,
-``await all_within(...)``, ``call_within(ray.init, ...)``), whose limit is checked before the wait starts. A stopped
+``await all_within(...)``, ``alarm_within(ray.init, ...)``), whose limit is checked before the wait starts. A stopped
 component (SIGSTOP, a hang) never answers, and a wait without a limit held the driver for good (a checkpoint to a
 stopped learner, a collective publish to a stopped actor, a rollout actor's push to a stopped buffer).
 
@@ -9,7 +9,7 @@ Checked on the source with ``ast``. What the scan finds (``unbounded_waits``; ea
 
 - ``ray.get`` / ``ray.wait`` called directly (without a timeout, with ``None``, or with one: the helper is the one
   way), ``ray.get`` / ``ray.wait`` used as a value other than ``bounded``'s first argument (an alias the scan would
-  not follow), ``from ray import get``, ``import ray as r``, and ``ray.init`` outside ``call_within``;
+  not follow), ``from ray import get``, ``import ray as r``, and ``ray.init`` outside ``alarm_within`` (or ``call_within``);
 - ``await`` of an actor call (``await a.m.remote()``) or of a name, attribute or item that holds an object
   reference (``ref = a.m.remote(); await ref``), and ``asyncio.wait_for`` on one: a remote result is waited for
   with ``within`` / ``all_within``;
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("driver", "actors", "learner", "buffer")
 HELPERS = {"within": 1, "all_within": 1}  # async helper -> the position of its limit argument
-KEYWORD_HELPERS = {"bounded", "call_within"}  # limit given as timeout_s=
+KEYWORD_HELPERS = {"bounded", "call_within", "alarm_within"}  # limit given as timeout_s=
 
 # Not a wait on another process but a worker's own lifetime: the rollout worker runs until ``stop()`` or a failure
 # (the waits inside it, on its episodes, its pushes and its cancelled tasks, are bounded).
@@ -52,11 +52,8 @@ LIFETIME: dict[tuple[str, str, str], int] = {
 }
 
 # To be emptied: the driver's waits that do not go through async_agent_rl.waits yet, (file, function, finding) ->
-# how many. Each entry is a site to move onto the helper (bounded(ray.get, ...), call_within(ray.init, ...)).
-DRIVER_ALLOWED: dict[tuple[str, str, str], int] = {
-    ("driver/cluster.py", "local_ray", "ray.init without a bound (use call_within)"): 1,
-    ("driver/cluster.py", "ray_init", "ray.init without a bound (use call_within)"): 1,
-}
+# how many. Each entry is a site to move onto the helper (bounded(ray.get, ...), alarm_within(ray.init, ...)).
+DRIVER_ALLOWED: dict[tuple[str, str, str], int] = {}
 
 
 # ------------------------------------------------------------------------------------------------ the scan
@@ -213,7 +210,7 @@ class _Scan(ast.NodeVisitor):
             parent = self.parents.get(node)
             called = isinstance(parent, ast.Call) and parent.func is node
             passed = isinstance(parent, ast.Call) and parent.args and parent.args[0] is node \
-                and _dotted(parent.func) in (KEYWORD_HELPERS | {"waits.bounded", "waits.call_within"})
+                and _dotted(parent.func) in (KEYWORD_HELPERS | {f"waits.{h}" for h in KEYWORD_HELPERS})
             if not called and not passed:
                 self._add(node, f"{name} used as a value (an alias the scan does not follow)")
         self.generic_visit(node)
@@ -235,7 +232,7 @@ class _Scan(ast.NodeVisitor):
             if not self._bad_limit(node, kw.get("timeout"), name):
                 self._add(node, f"{name} not through async_agent_rl.waits.bounded")
         elif name == "ray.init":
-            self._add(node, "ray.init without a bound (use call_within)")
+            self._add(node, "ray.init without a bound (use alarm_within)")
         elif name == "asyncio.gather":
             parent = self.parents.get(node)
             inside = isinstance(parent, ast.Call) and parent.args and parent.args[0] is node and \
@@ -349,7 +346,7 @@ UNBOUNDED = {
                                      "from asyncio import wait_for (the scan reads asyncio.X)"),
     "import ray as r": ("import ray as rr", "import ray as rr (the scan reads ray.get, ray.wait)"),
     "g = ray.get": ("g = ray.get", "ray.get used as a value (an alias the scan does not follow)"),
-    "ray.init()": ("ray.init(address='auto')", "ray.init without a bound (use call_within)"),
+    "ray.init()": ("ray.init(address='auto')", "ray.init without a bound (use alarm_within)"),
     "thread.join()": ("a.join()", ".join() without a timeout"),
 }
 
@@ -379,6 +376,7 @@ def test_bounded_waits_pass_the_scan():
             "await asyncio.wait({a}, timeout=t)\n"
             "await asyncio.wait_for(a.event.wait(), t)\n"
             "call_within(ray.init, timeout_s=t, what='x', address='auto')\n"
+            "alarm_within(ray.init, timeout_s=t, what='x', address='auto')\n"
             "a.join(timeout=t)\n"
             "', '.join(a)\n"
             "await a.cond.wait_for(lambda: True)\n")
