@@ -259,9 +259,10 @@ class Fleet:
         (``RolloutActor.close_engine``: vLLM's shutdown within ``ENGINE_CLOSE_S``, then SIGKILL by pid); on a local
         cluster, whatever of the actor's process tree is still alive then (or all of it, for an actor that does not
         answer) is SIGKILLed by pid."""
-        if answering:
+        close = getattr(actor, "close_engine", None)  # None: an actor class with no engine of its own
+        if answering and close is not None:
             try:
-                ended = bounded(ray.get, actor.close_engine.remote(ENGINE_CLOSE_S),
+                ended = bounded(ray.get, close.remote(ENGINE_CLOSE_S),
                                 timeout_s=ENGINE_CLOSE_S + GONE_S + self.cfg.cluster.actor_timeout_s,
                                 what=f"rollout actor {i}'s close_engine()")
                 log.info("rollout actor %d: engine processes %s ended (%s killed after vLLM's shutdown)", i,
