@@ -10,6 +10,8 @@ import pytest
 
 from async_agent_rl.waits import WaitTimeout, alarm_within
 
+pytestmark = pytest.mark.unit
+
 
 def _timer_as_before(left_before: float, t0: float) -> bool:
     """The ITIMER_REAL timer is what it was before the call (none, or the test runner's, less the time gone)."""

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def rollout():

@@ -9,6 +9,8 @@ import torch
 
 from learner.learner import NonFiniteError, require_finite
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
