@@ -33,7 +33,8 @@ arm nopre  sft.pretrain_steps=0   sft.num_demos=20000                     # no p
 arm bs8    sft.pretrain_steps=500 sft.num_demos=16000 sft.batch_size=8    # 40% of the tokens in steps of 8
 arm bs4    sft.pretrain_steps=1000 sft.num_demos=16000 sft.batch_size=4   # the same in steps of 4
 arm bs8_24k sft.pretrain_steps=500 sft.num_demos=24000 sft.batch_size=8   # steps of 8, 60% of the demonstrations
-for name in full short bs8 bs8_24k; do rl "$name"; done
+arm bs8_full sft.pretrain_steps=1000 sft.num_demos=40000 sft.batch_size=8 # the shipped tokens in steps of 8
+for name in full short bs8 bs8_24k bs8_full; do rl "$name"; done
 # the short recipe on world 0 (the README's world), RL from it:
 async-agent-rl bench learning "${cfg[@]}" --seeds 0 --rl-only --eval-every 15 --out $out/world0 \
     sft.pretrain_steps=250 sft.num_demos=16000
