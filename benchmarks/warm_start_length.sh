@@ -3,8 +3,8 @@
 # recipe, each probed before RL (`async-agent-rl probe`: what the model reads after the scripted expert's search),
 # and RL from some of them (the shipped 15 steps, evaluated at the start and the end). One arm at a time; an arm whose
 # folder has its probe is kept (a rerun resumes). Result files: benchmarks/results/warm_start_length/ (copied by hand:
-# sft_summary.json, probe.md, probe.json, the RL runs' summary.json).
-#   bash benchmarks/warm_start_length.sh        (about 40 minutes on 2 idle cores)
+# each warm start's sft_summary.json and sha256, probe.md, probe.json; each RL run's summary, eval, metrics, config).
+#   bash benchmarks/warm_start_length.sh        (about 75 minutes on 2 idle cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=runs/bench/warm_start_length
