@@ -52,7 +52,7 @@ shared-memory message queues (``/dev/shm/psm_*``, Python's ``SharedMemory``) and
 unlinks what it created, so every run used to leave a few hundred MB of them behind. The engine records its processes
 (those this process gained while the engine started) and the files they map, and ``close`` ends the processes (vLLM's
 own shutdown within ``ENGINE_CLOSE_S``, then SIGKILL by pid) and unlinks the files. A small watcher process of its
-own (``watch_engine``), told the pids and files, does the same when this process dies without closing the engine
+own (``actors.processes``), told the pids and files, does the same when this process dies without closing the engine
 (Ray ending the actor at the end of a run, the driver killing it for a restart): nothing of an engine outlives the
 process that made it.
 """
@@ -63,7 +63,6 @@ import asyncio
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -75,6 +74,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from actors.processes import GONE_S, alive, descendants, kill_processes, mapped_files, unlink_files
 from async_agent_rl.config import Config, RolloutConfig
 from async_agent_rl.episode import TurnEngine, TurnOutput, TurnRequest
 from async_agent_rl.waits import WaitTimeout, within
@@ -214,126 +214,6 @@ def sweep_orphaned_weights(root: Path | None = None) -> list[Path]:
 
 ENGINE_CLOSE_S = 10.0  # vLLM's own shutdown of the engine's processes gets this long; then they are SIGKILLed by pid
 ENGINE_FILES = ("psm_", "sem.mp-")  # the /dev/shm files of vLLM's queues and multiprocessing's semaphores
-GONE_S = 5.0  # a SIGKILLed process is waited for this long (it cannot refuse; a zombie counts as gone)
-
-
-def _descendants() -> dict[int, float]:
-    """pid -> start time of every live descendant of this process."""
-    import psutil
-
-    out = {}
-    for p in psutil.Process().children(recursive=True):
-        try:
-            out[p.pid] = p.create_time()
-        except psutil.Error:
-            pass
-    return out
-
-
-def _alive(procs: Mapping[int, float]) -> list[int]:
-    """The pids of ``procs`` still the process recorded (same start time), not zombies."""
-    import psutil
-
-    out = []
-    for pid, started in procs.items():
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.Error:
-            pass
-    return out
-
-
-def kill_processes(procs: Mapping[int, float], gone_s: float = GONE_S) -> list[int]:
-    """SIGKILL every process of ``procs`` (pid -> start time) that is still the one recorded, a stopped one too, and
-    wait up to ``gone_s`` for them to be gone; returns the pids killed."""
-    killed = []
-    for pid in _alive(procs):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        except OSError:
-            pass
-    deadline = time.monotonic() + gone_s
-    while _alive({pid: procs[pid] for pid in killed}) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return killed
-
-
-def mapped_files(pids: Sequence[int], prefixes: Sequence[str] = ENGINE_FILES) -> set[str]:
-    """The ``/dev/shm`` files whose names start with one of ``prefixes`` that the processes ``pids`` have mapped
-    (``/proc/PID/maps``; a file already unlinked is not listed)."""
-    out = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    path = line.rstrip("\n").split(maxsplit=5)[5:]
-                    if path and path[0].startswith("/dev/shm/") and not path[0].endswith(" (deleted)"):
-                        if path[0][len("/dev/shm/"):].startswith(tuple(prefixes)):
-                            out.add(path[0])
-        except OSError:
-            pass
-    return out
-
-
-def unlink_files(paths: set[str]) -> list[str]:
-    """Remove each of ``paths`` that still exists; returns those removed."""
-    removed = []
-    for path in sorted(paths):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
-
-
-# The watcher (``watch_engine``): a process started with the engine that ends its processes and unlinks its files
-# once its owner is gone without closing the engine. Its stdin is a pipe from the owner: ``pid PID START`` and
-# ``file PATH`` lines as the owner learns them, ``done`` when the owner closed the engine itself; end of file without
-# ``done`` means the owner died. It forks away from its parent first: Ray ends a worker's child processes with it,
-# and the watcher must outlive its owner by the moment it takes to clean up. Standard library and psutil only.
-WATCHER = """
-import os, signal, sys, time
-if os.fork():
-    os._exit(0)
-import psutil
-procs, files = {}, set()
-for line in sys.stdin:
-    kind, _, rest = line.strip().partition(" ")
-    if kind == "done":
-        sys.exit(0)
-    if kind == "pid":
-        pid, started = rest.split()
-        procs[int(pid)] = float(started)
-    elif kind == "file":
-        files.add(rest)
-def alive():
-    out = []
-    for pid, started in procs.items():
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.Error:
-            pass
-    return out
-for pid in alive():
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-deadline = time.monotonic() + 5
-while alive() and time.monotonic() < deadline:
-    time.sleep(0.05)
-for path in files:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-"""
 
 
 class EngineProcesses:
@@ -356,11 +236,11 @@ class EngineProcesses:
         return sorted(self.procs)
 
     def alive(self) -> list[int]:
-        return _alive(self.procs)
+        return alive(self.procs)
 
     def note_files(self) -> None:
         """Record the files the engine's processes map now (the watcher is told of new ones)."""
-        new = mapped_files(self.alive()) - self.files
+        new = mapped_files(self.alive(), ENGINE_FILES) - self.files
         if new:
             self.files |= new
             self._tell("".join(f"file {path}\n" for path in sorted(new)))
@@ -380,7 +260,7 @@ class EngineProcesses:
 
     def _start_watcher(self) -> subprocess.Popen | None:
         try:
-            watcher = subprocess.Popen([sys.executable, "-c", WATCHER], stdin=subprocess.PIPE, text=True,
+            watcher = subprocess.Popen([sys.executable, "-m", "actors.processes"], stdin=subprocess.PIPE, text=True,
                                        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             watcher.wait(timeout=30)  # its first process, which only forks the watcher and exits
             return watcher
@@ -443,9 +323,9 @@ class VLLMEngine:
             disable_log_stats=True,
             worker_extension_cls="actors.vllm_worker.PolicyReloadExtension",
         )
-        before = _descendants()
+        before = descendants()
         llm = AsyncLLM.from_engine_args(args)
-        processes = EngineProcesses({pid: t for pid, t in _descendants().items() if before.get(pid) != t})
+        processes = EngineProcesses({pid: t for pid, t in descendants().items() if before.get(pid) != t})
         sweep_orphaned_weights()
         engine = cls(llm, version, cfg.run.device, *model_parameters(_meta_model(model_path, cfg)))
         engine.processes = processes

@@ -30,7 +30,8 @@ import psutil
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from actors.engine import ENGINE_CLOSE_S, GONE_S, kill_processes
+from actors.engine import ENGINE_CLOSE_S
+from actors.processes import GONE_S, kill_processes
 from async_agent_rl.config import Config
 from async_agent_rl.stats import BufferStats, DriverStats, RolloutStats, RunTotals
 from async_agent_rl.waits import bounded
@@ -259,10 +260,9 @@ class Fleet:
         (``RolloutActor.close_engine``: vLLM's shutdown within ``ENGINE_CLOSE_S``, then SIGKILL by pid); on a local
         cluster, whatever of the actor's process tree is still alive then (or all of it, for an actor that does not
         answer) is SIGKILLed by pid."""
-        close = getattr(actor, "close_engine", None)  # None: an actor class with no engine of its own
-        if answering and close is not None:
+        if answering:
             try:
-                ended = bounded(ray.get, close.remote(ENGINE_CLOSE_S),
+                ended = bounded(ray.get, actor.close_engine.remote(ENGINE_CLOSE_S),
                                 timeout_s=ENGINE_CLOSE_S + GONE_S + self.cfg.cluster.actor_timeout_s,
                                 what=f"rollout actor {i}'s close_engine()")
                 log.info("rollout actor %d: engine processes %s ended (%s killed after vLLM's shutdown)", i,

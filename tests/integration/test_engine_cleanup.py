@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from actors.engine import mapped_files
+from actors.processes import mapped_files
 from async_agent_rl.config import load_config
 from tests.helpers import Run, world_overrides
 

@@ -39,9 +39,9 @@ class SlowFirstIncarnation:
     (busy for a minute); Ray's restart runs ``__init__`` again in a new process, which answers."""
 
     def __init__(self, index: int, marker: str):
-        self.index, self.setups, self.started = index, 0, False
-        self.first = not Path(marker).exists()
-        Path(marker).touch()
+        self.index, self.setups, self.started, self.marker = index, 0, False, Path(marker)
+        self.first = not self.marker.exists()
+        self.marker.touch()
 
     def setup(self, buffer=None) -> dict:
         self.setups += 1
@@ -52,6 +52,12 @@ class SlowFirstIncarnation:
 
     def update_weights(self, version, weights) -> dict:
         return {"version": version}
+
+    def close_engine(self, timeout_s: float) -> dict:
+        """What ``RolloutActor.close_engine`` answers (no engine here); the call is recorded beside the marker, as
+        the process is killed after it."""
+        (self.marker.parent / f"closed-by-{os.getpid()}").touch()
+        return {"pids": [], "killed": []}
 
     def stats(self) -> StandInStats:
         if self.first and self.setups:
@@ -111,6 +117,9 @@ class Restartable:
 
     def start(self) -> None:
         self.started = True
+
+    def close_engine(self, timeout_s: float) -> dict:
+        return {"pids": [], "killed": []}
 
     def seen(self) -> tuple[list, bool]:
         return self.updates, self.started
@@ -200,6 +209,7 @@ def test_an_actor_that_stopped_generating_is_restarted_with_its_cause_on_the_con
     assert time.monotonic() - t0 < 30
     assert stats.pid != first_pid and stats.setups == 1 and stats.began and not stats.done
     assert fleet.restarts == {"actor0": 1}
+    assert (tmp_path / f"closed-by-{first_pid}").exists(), "the answering actor closed its engine before the restart"
     out = capsys.readouterr().out
     assert f"[fault] rollout actor 0: stopped generating: {PUSH_FAILED}; restarting it" in out
 
