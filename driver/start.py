@@ -19,7 +19,9 @@ from driver.limits import REPORT_TIMEOUT_S, SLICE_S, PhaseTimeout, RunFailed, wa
 from driver.prepare import prepare
 from driver.stops import StopRequests
 from monitoring.exporter import RunMonitoring
-from warm_start.sft import check_warm_start, run_sft, warm_start_inputs
+from warm_start.prebuilt import differences as prebuilt_differences
+from warm_start.prebuilt import install
+from warm_start.sft import INPUTS_FILE, SUMMARY_FILE, check_warm_start, run_sft, warm_start_inputs
 
 
 def prepare_inputs(cfg: Config, run_dir: Path, say: Callable[[str], None], stops: StopRequests) -> str:
@@ -30,15 +32,33 @@ def prepare_inputs(cfg: Config, run_dir: Path, say: Callable[[str], None], stops
     if not cfg.sft.enabled:
         return cfg.model.path
     sft_dir = Path(cfg.sft.output_dir) if cfg.sft.output_dir else run_dir / "sft"
-    if not check_warm_start(sft_dir, warm_start_inputs(cfg, cfg.model.path)):
+    inputs = warm_start_inputs(cfg, cfg.model.path)
+    if check_warm_start(sft_dir, inputs):
+        say(f"[sft] warm start present: {sft_dir}")
+    elif cfg.sft.prebuilt and prebuilt_matches(cfg, say):
+        install(cfg.sft.prebuilt, sft_dir, inputs, INPUTS_FILE, SUMMARY_FILE)
+        say(f"[sft] the prebuilt warm start {cfg.sft.prebuilt} is this run's (same settings, base model, "
+            f"demonstrations and pretraining texts) -> {sft_dir}")
+    else:
         say(f"[sft] warm start on {cfg.sft.num_demos} demonstrations -> {sft_dir}")
         # prints progress and a readable closing line; a stop signal ends it at the next step, unsaved (a folder
         # without its summary is not a warm start: the next run makes it again)
         with stops.warm_start():
             run_sft(cfg, cfg.model.path, sft_dir, on_step=lambda _: stops.check())
-    else:
-        say(f"[sft] warm start present: {sft_dir}")
     return str(sft_dir)
+
+
+def prebuilt_matches(cfg: Config, say: Callable[[str], None]) -> bool:
+    """``sft.prebuilt`` is the warm start this run would make; if not, one line says what differs or that there is
+    no such folder (a folder with no warm start in it is a config error: ``ValueError``)."""
+    diff = prebuilt_differences(cfg.sft.prebuilt, cfg, cfg.model.path)
+    if diff is None:
+        say(f"[sft] no prebuilt warm start at {cfg.sft.prebuilt} (sft.prebuilt, from {Path.cwd()}): making one")
+        return False
+    if diff:
+        shown = ", ".join(diff[:4]) + (f" and {len(diff) - 4} more" if len(diff) > 4 else "")
+        say(f"[sft] the prebuilt warm start {cfg.sft.prebuilt} is not this run's ({shown} differ): making one")
+    return not diff
 
 
 def started(cfg: Config, start: Callable[[], Any], what: str = "learner") -> Any:

@@ -50,6 +50,7 @@ from async_agent_rl.lr_schedule import lr_factor
 from async_agent_rl.progress import Progress
 from async_agent_rl.records import Trajectory
 from warm_start.exercises import encode_with_offsets, exercises, token_span
+from warm_start.prebuilt import fingerprint, write_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def warm_start_inputs(cfg: Config, model_dir: str | Path) -> dict[str, Any]:
         "reward": d["reward"],
         # a pinned thread count names its own warm start (the learning study compares them); the default does not
         # settings added later name no warm start of their own at their default, which keeps the old behaviour
-        "sft": {k: v for k, v in d["sft"].items() if k not in ("enabled", "output_dir") and (k, v) not in SFT_DEFAULTS},
+        "sft": {k: v for k, v in d["sft"].items() if k not in ("enabled", "output_dir", "prebuilt") and (k, v) not in SFT_DEFAULTS},
     }
 
 
@@ -738,6 +739,7 @@ def run_sft(
 
         t_pre = time.perf_counter()
         pre_losses: list[float] = []
+        texts: list[str] | None = None
         reading: dict[str, float] | None = None
         threads_before = torch.get_num_threads()
         kept: dict[str, list[int]] = {}
@@ -783,6 +785,7 @@ def run_sft(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / INPUTS_FILE).write_text(json.dumps(warm_start_inputs(cfg, model_dir), indent=1, sort_keys=True) + "\n")
+    write_fingerprint(out, fingerprint(cfg, model_dir, demos, texts))  # what sft.prebuilt compares (prebuilt.py)
     summary = {
         "first_loss": losses[0] if losses else float("nan"),
         "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
