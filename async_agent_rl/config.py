@@ -517,8 +517,8 @@ class SFTConfig(_Section):
     output_dir: Optional[str] = Field(
         None, description="train: where the warm start is saved and reused (default RUN_DIR/sft); runs with the "
         "same inputs can share one (checked against its warm_start_inputs.json)")
-    prebuilt: str = Field(
-        "", description="train: a warm start made before (by `async-agent-rl sft`) to start from instead of making "
+    prebuilt: Optional[str] = Field(
+        None, description="train: a warm start made before (by `async-agent-rl sft`) to start from instead of making "
         "one, used only when its warm_start_fingerprint.json equals this run's (settings, base model, demonstrations, "
         "pretraining texts); else the warm start is made and the line says what differs")
 

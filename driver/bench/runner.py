@@ -98,7 +98,9 @@ def run_arms(config: str, overrides: list[str], arms: Sequence[Arm], out: Path, 
             else:
                 shared = shared or warm_start(config, overrides, warm_starts, say, make=False)
                 ws = shared
-            arm_overrides += [f"model.path={ws}", "sft.enabled=false"]
+            # trained from its own warm start: the config's sft.prebuilt plays no part (and an arm saved before that
+            # setting existed stays reusable)
+            arm_overrides += [f"model.path={ws}", "sft.enabled=false", "sft.prebuilt="]
         arm_overrides += [*common, f"run.name={arm.name}"]
         run = ArmRun(arm, out / arm.name, arm_overrides, warm_start=ws if base.sft.enabled else None)
         runs.append(run)

@@ -294,6 +294,29 @@ def test_a_finished_arm_stays_reusable_when_a_setting_was_added_since_at_its_def
     assert not finished_with(run, cfg)
 
 
+def test_an_arm_finished_before_sft_prebuilt_existed_is_reused(tmp_path, monkeypatch):
+    """The quickstart names a prebuilt warm start (``sft.prebuilt``) since the setting came; an arm trains from its
+    own warm start, so the setting is cleared in its config, and the finished arms of a study begun before it are
+    still its finished arms (they were all to be trained again)."""
+    import driver.bench.runner as runner
+
+    monkeypatch.setattr(runner, "warm_start", lambda config, overrides, root, say, make=True: root / "ws")
+    monkeypatch.setattr(runner, "arm_result", lambda run_dir: {"em_start": 0.0, "em_end": 0.5, "reward_last": 0.5,
+                                                                "samples_per_s": 1.0})
+    arms = staleness_arms([0])
+    args = ("configs/quickstart.yaml", [], arms, tmp_path / "out")
+    kw = dict(steps=2, eval_every=1, say=lambda *_: None, report_only=True)
+    (first,) = runner.run_arms(*args, **kw)
+    assert load_config("configs/quickstart.yaml").sft.prebuilt, "the quickstart names one"
+    saved = load_config("configs/quickstart.yaml", first.overrides).to_dict()
+    del saved["sft"]["prebuilt"]  # the setting did not exist
+    first.run_dir.mkdir(parents=True)
+    (first.run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    (first.run_dir / "summary.json").write_text("{}")
+    (again,) = runner.run_arms(*args, **kw)
+    assert again.reused and not again.error
+
+
 def test_the_learning_report_gives_each_group_of_arms_its_own_mean_and_worst(tmp_path):
     """Worlds (--seeds) and warm starts of one world (--warm-start-seeds) answer different questions: each group
     gets its own mean ± s.e. and worst, beside the pooled tables."""
