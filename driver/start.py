@@ -50,7 +50,7 @@ def prepare_inputs(cfg: Config, run_dir: Path, say: Callable[[str], None], stops
 
 def prebuilt_matches(cfg: Config, say: Callable[[str], None]) -> bool:
     """``sft.prebuilt`` is the warm start this run would make; if not, one line says what differs or that there is
-    no such folder (a folder with no warm start in it is a config error: ``ValueError``)."""
+    no such folder (a folder with no warm start in it is bad input: ``InputError``)."""
     diff = prebuilt_differences(cfg.sft.prebuilt, cfg, cfg.model.path)
     if diff is None:
         say(f"[sft] no prebuilt warm start at {cfg.sft.prebuilt} (sft.prebuilt, from {Path.cwd()}): making one")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from async_agent_rl.config import Config
+from async_agent_rl.errors import InputError
 from async_agent_rl.records import Trajectory
 
 FINGERPRINT_FILE = "warm_start_fingerprint.json"
@@ -87,7 +88,7 @@ def differences(prebuilt: str | Path, cfg: Config, model_dir: str | Path) -> lis
     """What differs between the warm start in ``prebuilt`` and the one this run would make (dotted fingerprint
     paths: ``inputs.sft.seed``, ``demonstrations.sha256``, ...): empty when it is the same, None when ``prebuilt``
     is no folder. The settings and the base model are compared first; the demonstrations and texts are made only
-    when those agree. Raises ``ValueError`` when the folder holds no finished warm start with a fingerprint."""
+    when those agree. Raises ``InputError`` when the folder holds no finished warm start with a fingerprint."""
     from warm_start.sft import _differences
 
     folder = Path(prebuilt)
@@ -95,14 +96,14 @@ def differences(prebuilt: str | Path, cfg: Config, model_dir: str | Path) -> lis
         return None
     saved = folder / FINGERPRINT_FILE
     if not (folder / "model.safetensors").is_file() or not saved.is_file():
-        raise ValueError(f"sft.prebuilt={prebuilt}: no warm start with a {FINGERPRINT_FILE} there (make one with "
+        raise InputError(f"sft.prebuilt={prebuilt}: no warm start with a {FINGERPRINT_FILE} there (make one with "
                          f"`async-agent-rl sft --config CONFIG --out {prebuilt}`)")
     try:
         shipped = json.loads(saved.read_text())
     except ValueError as e:
-        raise ValueError(f"sft.prebuilt={prebuilt}: {FINGERPRINT_FILE} is not JSON ({e})") from None
+        raise InputError(f"sft.prebuilt={prebuilt}: {FINGERPRINT_FILE} is not JSON ({e})") from None
     if not isinstance(shipped, dict):
-        raise ValueError(f"sft.prebuilt={prebuilt}: {FINGERPRINT_FILE} is not a JSON object")
+        raise InputError(f"sft.prebuilt={prebuilt}: {FINGERPRINT_FILE} is not a JSON object")
     cheap = {"inputs": settings(cfg), "base_model": base_model(model_dir)}
     diff = _differences({k: shipped.get(k) for k in cheap}, cheap)
     return diff or _differences(shipped, run_fingerprint(cfg, model_dir))

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from async_agent_rl.batch import TrainBatch, pack_batch
 from async_agent_rl.config import Config
+from async_agent_rl.errors import InputError
 from async_agent_rl.lr_schedule import lr_factor
 from async_agent_rl.progress import Progress
 from async_agent_rl.records import Trajectory
@@ -101,17 +102,17 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
 
 def check_warm_start(folder: str | Path, expected: dict[str, Any]) -> bool:
     """True if ``folder`` holds a finished warm start made from ``expected`` inputs; False if there is none.
-    Raises ``ValueError`` naming the differing settings when it was made from other ones."""
+    Raises ``InputError`` naming the differing settings when it was made from other ones."""
     folder = Path(folder)
     if not (folder / "config.json").is_file() or not (folder / SUMMARY_FILE).is_file():
         return False
     saved_file = folder / INPUTS_FILE
     if not saved_file.is_file():
-        raise ValueError(f"{folder} holds a model but no {INPUTS_FILE}: not a warm start this version wrote; "
+        raise InputError(f"{folder} holds a model but no {INPUTS_FILE}: not a warm start this version wrote; "
                          f"delete it or point sft.output_dir elsewhere")
     diff = _differences(json.loads(saved_file.read_text()), expected)
     if diff:
-        raise ValueError(f"the warm start in {folder} was made with other settings ({', '.join(diff)}); delete it, "
+        raise InputError(f"the warm start in {folder} was made with other settings ({', '.join(diff)}); delete it, "
                          f"or set sft.output_dir to a new folder")
     return True
 PRETRAIN_SEQ_LEN = 128

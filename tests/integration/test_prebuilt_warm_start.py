@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from async_agent_rl.config import load_config
+from async_agent_rl.errors import error_line
 from driver.start import prepare_inputs
 from driver.stops import StopRequests
 from tests.helpers import world_overrides
@@ -112,4 +113,5 @@ def test_a_prebuilt_folder_with_no_warm_start_is_one_error_naming_the_setting(pr
         with pytest.raises(ValueError) as err:
             start(cfg, tmp_path / "run")
         assert str(err.value).startswith(f"sft.prebuilt={folder}: ") and what in str(err.value)
+        assert error_line(err.value) == f"error: {err.value}", "the CLI's one line for bad input"
         assert not (tmp_path / "run" / "sft" / SUMMARY_FILE).exists()
