@@ -4,7 +4,7 @@
 # and RL from some of them (the shipped 15 steps, evaluated at the start and the end). One arm at a time; an arm whose
 # folder has its probe is kept (a rerun resumes). Result files: benchmarks/results/warm_start_length/ (copied by hand:
 # each warm start's sft_summary.json and sha256, probe.md, probe.json; each RL run's summary, eval, metrics, config).
-#   bash benchmarks/warm_start_length.sh        (about 75 minutes on 2 idle cores)
+#   bash benchmarks/warm_start_length.sh        (about 95 minutes on 2 idle cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=runs/bench/warm_start_length
@@ -38,3 +38,6 @@ for name in full short bs8 bs8_24k bs8_full; do rl "$name"; done
 # the short recipe on world 0 (the README's world), RL from it:
 async-agent-rl bench learning "${cfg[@]}" --seeds 0 --rl-only --eval-every 15 --out $out/world0 \
     sft.pretrain_steps=250 sft.num_demos=16000
+# the shipped tokens in steps of 8 on worlds 1-3 (its lead on world 1 checked on two more worlds):
+async-agent-rl bench learning "${cfg[@]}" --seeds 1,2,3 --warm-start-seeds "" --rl-only --eval-every 15 \
+    --out runs/bench/ws_bs8_full sft.batch_size=8 sft.pretrain_steps=1000 sft.num_demos=40000
