@@ -2,14 +2,14 @@
 would make: same settings, same base model, same demonstrations and pretraining texts.
 
 Why: the warm start is a deterministic function of its inputs (on one processor, bit for bit), and it is most of
-the main job's time (about 7 of its 9 minutes on 2 cores); every fresh clone made the same one again. It stands
-where a pretrained model stands in a real Search-R1 run: what RL starts from. A run whose world, model, recipe or
-code of the demonstrations differs from the shipped one's builds its own, as before, and says why.
+the main job's time (6 of its 8 minutes on 2 cores, measured at 49d7232); every fresh clone made the same one
+again. It stands where a pretrained model stands in a real Search-R1 run: what RL starts from. A run whose world,
+model, recipe or code of the demonstrations differs from the shipped one's builds its own, as before, and says why.
 
 ``fingerprint`` is what a warm start is made of, with no path in it: ``warm_start_inputs`` (the settings) without
 the folders and files, sha256 of the base model's weights and tokenizer, of every demonstration (tokens, loss mask)
-and of the pretraining texts. ``run_sft`` writes it beside every warm start (``FINGERPRINT_FILE``); ``matching``
-computes it for a run (about 10 s: the demonstrations are made again, not trained on) and compares."""
+and of the pretraining texts. ``run_sft`` writes it beside every warm start (``FINGERPRINT_FILE``); ``differences``
+computes it for a run (about 11 s: the demonstrations are made again, not trained on) and compares."""
 
 from __future__ import annotations
 
