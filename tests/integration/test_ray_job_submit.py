@@ -250,7 +250,7 @@ def test_ray_job_submit_runs_a_short_training_to_completion(ray_cluster, tmp_pat
     # and .rayignore keeps the benchmarks' committed result files (~19 MB of figures, reports, warm starts) out
     assert not (pkg / "benchmarks" / "results").exists(), "benchmarks/results was uploaded with --working-dir ."
     uploaded = sum(f.stat().st_size for f in pkg.rglob("*") if f.is_file() and "runs" not in f.relative_to(pkg).parts)
-    # the sources (~2.3 MiB) and the quickstart's shipped warm start (4.7 MiB: a job of the quickstart starts from it)
+    # the sources (~3 MiB) and the quickstart's shipped warm start (4.7 MiB: a job of the quickstart starts from it)
     assert (pkg / "configs" / "warm_starts" / "quickstart" / "model.safetensors").is_file()
     assert uploaded < 10 * 2**20, f"working dir upload is {uploaded / 2**20:.1f} MiB"
     built = shared / "model" / "config.json"
