@@ -362,3 +362,13 @@ def listening_sockets(root: int) -> list[tuple[str, int, str]]:
                 name = "?"
             out.append((c.laddr.ip, c.laddr.port, name))
     return sorted(out)
+
+
+def gone(pid: int) -> bool:
+    """The process ``pid`` has ended (a zombie counts: it runs nothing and holds nothing but its entry)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -13,8 +13,9 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.helpers import gone
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +43,6 @@ DRIVER = textwrap.dedent('''
             sys.exit(0)
         time.sleep(600)
 ''')
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def start(mode: str) -> tuple[subprocess.Popen, int, int, int]:

@@ -13,8 +13,9 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.helpers import gone
 
 pytestmark = pytest.mark.unit
 
@@ -41,13 +42,6 @@ procs = EngineProcesses({child.pid: psutil.Process(child.pid).create_time()})
 print(child.pid, " ".join(sorted(procs.files)), flush=True)
 time.sleep(600)
 """
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
